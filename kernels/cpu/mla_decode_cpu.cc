@@ -1,0 +1,294 @@
+// CPU MLA decode. Each work item is (sequence, KV head, key range): every query row
+// sharing that KV head is processed against each KV row while the row is in cache, so
+// the cache is read once per call. Long sequences are split over threads and combined
+// exactly like the GPU's split-K.
+#include "kernels/cpu/mla_decode_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/half.h"
+
+namespace latentd::kernels {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+const float* Fp16Table() {
+  static const std::vector<float>* table = [] {
+    auto* t = new std::vector<float>(65536);
+    for (int i = 0; i < 65536; ++i) (*t)[i] = Fp16ToFloat(static_cast<uint16_t>(i));
+    return t;
+  }();
+  return table->data();
+}
+
+inline void ToFloat(DType dtype, const uint16_t* __restrict src, float* __restrict dst, int n) {
+  if (dtype == DType::kBF16) {
+    for (int i = 0; i < n; ++i) {
+      uint32_t bits = uint32_t{src[i]} << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+  } else {
+    const float* table = Fp16Table();
+    for (int i = 0; i < n; ++i) dst[i] = table[src[i]];
+  }
+}
+
+inline float Dot576(const float* __restrict a, const float* __restrict b) {
+  // Eight independent partial sums so the compiler can keep vector FMAs in flight.
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int d = 0; d < kHeadDimQK; d += 8)
+    for (int u = 0; u < 8; ++u) s[u] += a[d + u] * b[d + u];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+inline void Axpy512(float alpha, const float* __restrict x, float* __restrict y) {
+  for (int d = 0; d < kHeadDimV; ++d) y[d] += alpha * x[d];
+}
+
+}  // namespace
+
+CpuMlaDecoder::CpuMlaDecoder(int num_threads) {
+  if (num_threads <= 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
+  scratch_.resize(num_threads);
+  for (int t = 1; t < num_threads; ++t) workers_.emplace_back([this, t] { WorkerLoop(t); });
+  Fp16Table();
+}
+
+CpuMlaDecoder::~CpuMlaDecoder() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  start_cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+void CpuMlaDecoder::WorkerLoop(int thread) {
+  int seen = 0;
+  for (;;) {
+    const std::function<void(int, int)>* job;
+    int n;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+      n = job_size_;
+    }
+    for (int i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) (*job)(i, thread);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_ == 0) done_cv_.notify_all();
+    }
+  }
+}
+
+void CpuMlaDecoder::ParallelFor(int n, const std::function<void(int, int)>& fn) {
+  if (n <= 0) return;
+  if (workers_.empty() || n == 1) {
+    for (int i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    job_size_ = n;
+    next_.store(0);
+    busy_ = static_cast<int>(workers_.size());
+    ++generation_;
+  }
+  start_cv_.notify_all();
+  for (int i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) fn(i, 0);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return busy_ == 0; });
+  job_ = nullptr;
+}
+
+Status CpuMlaDecoder::Run(const MlaDecodeParams& p) {
+  Status st = ValidateParams(p);
+  if (!st.ok()) return st;
+  if (p.batch == 0) return Status::Ok();
+  for (int b = 0; b < p.batch; ++b) {
+    const int len = p.seqlens[b];
+    if (len < 0 || int64_t{len} > int64_t{p.max_pages_per_seq} * kPageSize)
+      return Status::Invalid("seqlens[" + std::to_string(b) + "]: expected 0.." +
+                             std::to_string(int64_t{p.max_pages_per_seq} * kPageSize) + ", got " +
+                             std::to_string(len));
+    const int32_t* table = p.block_table + b * p.block_table_batch_stride;
+    for (int j = 0; j < (len + kPageSize - 1) / kPageSize; ++j)
+      if (table[j] < 0 || table[j] >= p.num_pages)
+        return Status::Invalid("block_table[" + std::to_string(b) + "][" + std::to_string(j) +
+                               "]: expected a page id in [0, " + std::to_string(p.num_pages) + "), got " +
+                               std::to_string(table[j]));
+  }
+
+  // Split sequences when there are fewer (sequence, KV head) pairs than threads.
+  const int pairs = p.batch * p.h_kv;
+  const int threads = num_threads();
+  int64_t total_keys = 0;
+  for (int b = 0; b < p.batch; ++b) total_keys += p.seqlens[b];
+  int64_t keys_per_split = std::numeric_limits<int>::max();
+  if (pairs < threads && total_keys > 0) {
+    keys_per_split = std::max<int64_t>(min_keys_per_split_, (total_keys * p.h_kv + threads - 1) / threads);
+    keys_per_split = (keys_per_split + kPageSize - 1) / kPageSize * kPageSize;
+  }
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+
+  items_.clear();
+  combine_first_.assign(pairs, -1);
+  combine_count_.assign(pairs, 0);
+  int partials = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int len = p.seqlens[b];
+    const int splits = len > keys_per_split ? static_cast<int>((len + keys_per_split - 1) / keys_per_split) : 1;
+    for (int h = 0; h < p.h_kv; ++h) {
+      if (splits == 1) {
+        items_.push_back({b, h, 0, len, -1});
+        continue;
+      }
+      combine_first_[b * p.h_kv + h] = partials;
+      combine_count_[b * p.h_kv + h] = splits;
+      for (int s = 0; s < splits; ++s) {
+        const int begin = static_cast<int>(s * keys_per_split);
+        const int end = static_cast<int>(std::min<int64_t>(len, (s + 1) * keys_per_split));
+        items_.push_back({b, h, begin, end, partials++});
+      }
+    }
+  }
+  if (partials > 0) {
+    const size_t acc_size = size_t(partials) * rows * kHeadDimV;
+    if (partial_acc_.size() < acc_size) partial_acc_.resize(acc_size);
+    if (partial_ml_.size() < size_t(partials) * rows * 2) partial_ml_.resize(size_t(partials) * rows * 2);
+  }
+  ParallelFor(static_cast<int>(items_.size()), [&](int i, int t) { RunItem(p, items_[i], scratch_[t]); });
+  if (partials > 0) {
+    ParallelFor(pairs, [&](int i, int) {
+      if (combine_first_[i] >= 0) CombineItem(p, i / p.h_kv, i % p.h_kv, combine_first_[i], combine_count_[i]);
+    });
+  }
+  return Status::Ok();
+}
+
+void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scratch& s) {
+  const int group = p.h_q / p.h_kv;
+  const int rows = group * p.s_q;  // row r = query token (r / group), head (kv_head * group + r % group)
+  const int len = p.seqlens[item.batch];
+  s.q.resize(size_t(rows) * kHeadDimQK);
+  s.k.resize(size_t(kPageSize) * kHeadDimQK);
+  s.scores.resize(size_t(rows) * kPageSize);
+  s.acc.assign(size_t(rows) * kHeadDimV, 0.f);
+  s.m.assign(rows, kNegInf);
+  s.l.assign(rows, 0.f);
+
+  const auto* q = static_cast<const uint16_t*>(p.q);
+  int max_limit = 0;
+  int limits[kMaxHeadsPerKvHead * 16];  // rows <= 128 heads x s_q; s_q beyond 16 uses the vector below
+  std::vector<int> limits_big;
+  int* limit = limits;
+  if (rows > int(sizeof(limits) / sizeof(int))) {
+    limits_big.resize(rows);
+    limit = limits_big.data();
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int i = r / group, h = item.kv_head * group + r % group;
+    const uint16_t* src = q + item.batch * p.q_batch_stride + i * p.q_seq_stride + h * p.q_head_stride;
+    float* dst = s.q.data() + size_t(r) * kHeadDimQK;
+    ToFloat(p.dtype, src, dst, kHeadDimQK);
+    for (int d = 0; d < kHeadDimQK; ++d) dst[d] *= p.softmax_scale;
+    int lim = p.causal ? len - p.s_q + i + 1 : len;
+    lim = std::clamp(lim, 0, len);
+    limit[r] = std::min(lim, item.key_end);
+    max_limit = std::max(max_limit, limit[r]);
+  }
+
+  const auto* kv = static_cast<const uint16_t*>(p.kv);
+  const int32_t* table = p.block_table + item.batch * p.block_table_batch_stride;
+  const int end = std::min(item.key_end, max_limit);
+  for (int k0 = item.key_begin; k0 < end;) {
+    const int page_idx = k0 / kPageSize;
+    const int k1 = std::min(end, (page_idx + 1) * kPageSize);
+    const int n = k1 - k0;
+    const uint16_t* page = kv + int64_t{table[page_idx]} * p.kv_page_stride + item.kv_head * p.kv_head_stride;
+    for (int j = 0; j < n; ++j)
+      ToFloat(p.dtype, page + int64_t((k0 + j) % kPageSize) * p.kv_row_stride, s.k.data() + size_t(j) * kHeadDimQK,
+              kHeadDimQK);
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, limit[r] - k0);
+      if (visible <= 0) continue;
+      const float* qr = s.q.data() + size_t(r) * kHeadDimQK;
+      float* sc = s.scores.data() + size_t(r) * kPageSize;
+      float mx = s.m[r];
+      for (int j = 0; j < visible; ++j) {
+        sc[j] = Dot576(qr, s.k.data() + size_t(j) * kHeadDimQK);
+        mx = std::max(mx, sc[j]);
+      }
+      const float alpha = std::exp(s.m[r] - mx);  // exp(-inf) = 0 on the first block
+      float* acc = s.acc.data() + size_t(r) * kHeadDimV;
+      if (alpha != 1.f)
+        for (int d = 0; d < kHeadDimV; ++d) acc[d] *= alpha;
+      float sum = 0.f;
+      for (int j = 0; j < visible; ++j) {
+        const float e = std::exp(sc[j] - mx);
+        sum += e;
+        Axpy512(e, s.k.data() + size_t(j) * kHeadDimQK, acc);
+      }
+      s.l[r] = s.l[r] * alpha + sum;
+      s.m[r] = mx;
+    }
+    k0 = k1;
+  }
+
+  if (item.partial >= 0) {
+    float* acc_out = partial_acc_.data() + size_t(item.partial) * rows * kHeadDimV;
+    float* ml = partial_ml_.data() + size_t(item.partial) * rows * 2;
+    std::copy(s.acc.begin(), s.acc.begin() + size_t(rows) * kHeadDimV, acc_out);
+    for (int r = 0; r < rows; ++r) {
+      ml[2 * r] = s.m[r];
+      ml[2 * r + 1] = s.l[r];
+    }
+    return;
+  }
+  auto* out = static_cast<uint16_t*>(p.out);
+  for (int r = 0; r < rows; ++r) {
+    const int i = r / group, h = item.kv_head * group + r % group;
+    uint16_t* o = out + item.batch * p.out_batch_stride + i * p.out_seq_stride + h * p.out_head_stride;
+    const float inv = s.l[r] > 0.f ? 1.f / s.l[r] : 0.f;
+    const float* acc = s.acc.data() + size_t(r) * kHeadDimV;
+    for (int d = 0; d < kHeadDimV; ++d) o[d] = FloatToHalf(p.dtype, acc[d] * inv);
+    p.lse[item.batch * p.lse_batch_stride + h * p.lse_head_stride + i] =
+        s.l[r] > 0.f ? std::log(s.l[r]) + s.m[r] : kNegInf;
+  }
+}
+
+void CpuMlaDecoder::CombineItem(const MlaDecodeParams& p, int batch, int kv_head, int first, int count) {
+  const int group = p.h_q / p.h_kv;
+  const int rows = group * p.s_q;
+  auto* out = static_cast<uint16_t*>(p.out);
+  float acc[kHeadDimV];
+  for (int r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int s = 0; s < count; ++s) m = std::max(m, partial_ml_[(size_t(first + s) * rows + r) * 2]);
+    std::fill(acc, acc + kHeadDimV, 0.f);
+    float l = 0.f;
+    if (m != kNegInf) {
+      for (int s = 0; s < count; ++s) {
+        const float* ml = &partial_ml_[(size_t(first + s) * rows + r) * 2];
+        if (ml[1] == 0.f) continue;
+        const float w = std::exp(ml[0] - m);
+        l += ml[1] * w;
+        Axpy512(w, partial_acc_.data() + (size_t(first + s) * rows + r) * kHeadDimV, acc);
+      }
+    }
+    const int i = r / group, h = kv_head * group + r % group;
+    uint16_t* o = out + batch * p.out_batch_stride + i * p.out_seq_stride + h * p.out_head_stride;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int d = 0; d < kHeadDimV; ++d) o[d] = FloatToHalf(p.dtype, acc[d] * inv);
+    p.lse[batch * p.lse_batch_stride + h * p.lse_head_stride + i] = l > 0.f ? std::log(l) + m : kNegInf;
+  }
+}
+
+}  // namespace latentd::kernels

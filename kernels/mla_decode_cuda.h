@@ -1,0 +1,82 @@
+// Host API of the SM80 MLA decode: device query, split-K planner, workspace sizing,
+// the decode launch (kernel + combine) and the combine launch alone.
+// Plain C++: the only CUDA type is cudaStream_t. The caller owns all device memory;
+// nothing here allocates per call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/params.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace latentd::kernels {
+
+// What the planner needs to know about a device, read with cudaGetDeviceProperties.
+struct DeviceInfo {
+  int device = 0;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  int max_smem_per_sm = 0;           // bytes
+  int max_smem_per_block_optin = 0;  // bytes
+  int regs_per_sm = 0;
+  int max_threads_per_sm = 0;
+  char name[256] = {};
+};
+
+Status QueryDevice(int device, DeviceInfo* info);
+
+// The launch decided by the planner for one call. Small and trivially copyable.
+struct DecodePlan {
+  int tile_rows = 0;        // query rows (heads x s_q sharing one KV head) per CTA tile
+  int row_tiles = 0;        // CTAs along the rows of one (sequence, KV head)
+  int ctas_per_sm = 0;      // resident CTAs per SM of the chosen kernel on this device
+  int num_splits = 1;       // partitions per sequence (grid dimension); 1 = no combine
+  int keys_per_split = 0;   // keys per partition, a multiple of kPageSize
+  int threads = 0;          // threads per CTA
+  int smem_bytes = 0;       // dynamic shared memory per CTA
+};
+
+// Chooses the tile configuration and cuts sequences into split-K partitions from the
+// seqlens (host copy, [b]) and from how many CTAs of that configuration fit on the
+// device (cudaOccupancyMaxActiveBlocksPerMultiprocessor), never a fixed SM count.
+Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host,
+                  DecodePlan* plan);
+
+// Device workspace (partial outputs and LSEs for split-K) that LaunchDecode needs.
+size_t DecodeWorkspaceBytes(const MlaDecodeParams& p, const DecodePlan& plan);
+
+// An upper bound of DecodeWorkspaceBytes over every plan PlanDecode can produce for
+// batches up to max_batch with these head counts and s_q, for preallocation.
+size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, int h_q, int h_kv);
+
+// Runs the decode kernel and, when plan.num_splits > 1, the combine kernel, on stream.
+// p's pointers are device pointers; seqlens on the device must equal seqlens_host given
+// to PlanDecode. Writes every element of out and lse.
+Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream);
+
+// The decode kernel alone (partials into workspace, or out/lse when num_splits == 1),
+// and the combine alone; LaunchDecode is these two in sequence. For benchmarks.
+Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream);
+Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream);
+
+// Resident CTAs per SM of each tile configuration on this device, and the number the
+// same kernel would have under A100 limits (164 KB shared memory, 64K registers per SM),
+// computed from its registers and shared memory (cudaFuncGetAttributes).
+struct TileOccupancy {
+  int tile_rows = 0;
+  int threads = 0;
+  int regs_per_thread = 0;
+  int smem_bytes = 0;
+  int ctas_per_sm = 0;
+  int ctas_per_sm_a100 = 0;
+};
+// Fills up to max_configs entries; *num_configs gets the count.
+Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs, int max_configs,
+                     int* num_configs);
+
+}  // namespace latentd::kernels
