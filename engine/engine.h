@@ -1,0 +1,137 @@
+// The engine facade the server talks to: model shape, sequences and their KV cache,
+// and decode steps submitted from any thread and batched by the scheduler into one
+// attention launch. Nothing here blocks on a batch: results come back through
+// StepCallback on the engine's own thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kernels/params.h"
+
+namespace latentd::engine {
+
+enum class BackendKind { kAuto, kCuda, kCpu };
+
+struct ModelConfig {
+  int num_layers = 1;
+  int num_heads_q = 16;
+  int num_heads_kv = 1;
+  kernels::DType dtype = kernels::DType::kBF16;
+  float softmax_scale = 0.f;  // 0 = 1/sqrt(576)
+};
+
+struct EngineOptions {
+  ModelConfig model;
+  BackendKind backend = BackendKind::kAuto;
+  int device = 0;
+  // KV pool size: exactly one of these is used, in this order of precedence.
+  int64_t kv_pages = 0;
+  int64_t kv_bytes = 0;
+  double kv_memory_fraction = 0.0;  // of free GPU memory (CUDA) or of physical RAM (CPU)
+  int max_batch_size = 64;          // steps per launch
+  int max_batch_tokens = 1024;      // query rows (sum of s_q) per launch
+  int max_queue = 4096;             // queued steps before submissions are refused
+  absl::Duration batch_window = absl::Microseconds(50);
+  int max_s_q = 8;                  // largest s_q a step may carry
+  int cpu_threads = 0;              // CPU backend threads, 0 = all
+};
+
+struct EngineInfo {
+  ModelConfig model;
+  std::string backend;  // "cuda:<device name>" or "cpu"
+  int64_t total_pages = 0;
+  int64_t free_pages = 0;
+  int max_batch_size = 0;
+};
+
+struct SequenceLengths {
+  std::string sequence_id;
+  std::vector<int64_t> lengths;  // per layer, after the operation
+};
+
+// One decode step. The caller owns every buffer and keeps them (and the step) alive
+// until StepDone has been called for it.
+struct DecodeStep;
+
+class StepCallback {
+ public:
+  virtual ~StepCallback() = default;
+  // Called exactly once per accepted step, on an engine thread: OK means out and lse
+  // were written. Must not block.
+  virtual void StepDone(DecodeStep* step, absl::Status status) = 0;
+};
+
+struct DecodeStep {
+  uint64_t request_id = 0;
+  std::string sequence_id;
+  int layer = 0;
+  int s_q = 1;
+  bool causal = false;
+  absl::string_view q;   // [s_q, h_q, 576] raw values in the model dtype
+  absl::string_view kv;  // [s_q, h_kv, 576] the new tokens' latent rows
+  char* out = nullptr;   // [s_q, h_q, 512] model dtype, written on success
+  float* lse = nullptr;  // [h_q, s_q]
+  absl::Time deadline = absl::InfiniteFuture();
+  const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
+  StepCallback* callback = nullptr;
+  // Engine bookkeeping.
+  absl::Time enqueued_at;
+  void* engine_private = nullptr;
+};
+
+struct EngineMetrics {
+  double steps_per_second = 0;  // over the last few seconds
+  uint64_t steps_completed = 0;
+  uint64_t batches = 0;
+  std::vector<uint64_t> batch_size_histogram;  // bucket i: batches of size in [2^i, 2^(i+1))
+  double queue_wait_us_p50 = 0, queue_wait_us_p90 = 0, queue_wait_us_p99 = 0;
+  double exec_us_p50 = 0, exec_us_p90 = 0, exec_us_p99 = 0;
+  int64_t pages_used = 0, pages_free = 0, pages_high_water = 0;
+  uint64_t rejected_queue_full = 0, rejected_out_of_pages = 0, rejected_invalid = 0,
+           rejected_deadline = 0, dropped_cancelled = 0;
+  int64_t queued_steps = 0;
+  int64_t sequences = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+  virtual ~Engine() = default;
+
+  virtual EngineInfo Info() const = 0;
+
+  // Empty id: the engine makes an unguessable one. ALREADY_EXISTS for a taken id,
+  // INVALID_ARGUMENT for a malformed one.
+  virtual absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id) = 0;
+  // Appends n = kv.size() / (h_kv * 576 * 2) rows to one layer. All or nothing:
+  // RESOURCE_EXHAUSTED when pages run out.
+  virtual absl::StatusOr<SequenceLengths> AppendKv(absl::string_view sequence_id, int layer,
+                                                   absl::string_view kv) = 0;
+  virtual absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id,
+                                                   absl::string_view new_sequence_id) = 0;
+  // Returns the number of pages freed (pages still shared with forks are not freed).
+  virtual absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id) = 0;
+  // Releases every sequence idle for longer than ttl; returns how many.
+  virtual int ReleaseIdleSequences(absl::Duration ttl) = 0;
+
+  // Never blocks. An error return means the step was not accepted (bad field, unknown
+  // sequence, full queue, draining) and its callback will not run; OK means StepDone
+  // will be called exactly once.
+  virtual absl::Status Submit(DecodeStep* step) = 0;
+
+  virtual EngineMetrics Metrics() const = 0;
+
+  // Stops accepting steps (UNAVAILABLE) and waits up to timeout for accepted ones.
+  // Returns true when everything accepted has completed.
+  virtual bool Drain(absl::Duration timeout) = 0;
+};
+
+}  // namespace latentd::engine
