@@ -1,0 +1,289 @@
+// latentd: the MLA decode attention daemon. Parses flags, builds the engine, serves
+// latentd.v1.DecodeService (plus health and reflection) and drains cleanly on
+// SIGTERM/SIGINT: health NOT_SERVING, new work UNAVAILABLE, accepted steps finish.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/service.h"
+#include "server/version.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "address to serve on (host:port; port 0 picks a free one, see --port_file)");
+ABSL_FLAG(std::string, backend, "auto", "attention backend: auto (CUDA when a GPU is present), cuda or cpu");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(int, num_layers, 1, "layers per sequence (each has its own KV cache)");
+ABSL_FLAG(int, num_heads_q, 16, "query heads (h_q), a multiple of num_heads_kv");
+ABSL_FLAG(int, num_heads_kv, 1, "latent KV heads (h_kv)");
+ABSL_FLAG(std::string, dtype, "bf16", "element type of q, kv and out: bf16 or fp16");
+ABSL_FLAG(double, softmax_scale, 0.0, "attention scale; 0 means 1/sqrt(576)");
+ABSL_FLAG(int64_t, kv_pages, 0, "KV pool size in pages (64 tokens of every layer each)");
+ABSL_FLAG(int64_t, kv_bytes, 0, "KV pool size in bytes (used when --kv_pages is 0)");
+ABSL_FLAG(double, kv_memory_fraction, 0.0,
+          "KV pool as a fraction of free GPU memory (CUDA) or of RAM (CPU), used when the two above are 0; "
+          "with none of the three: 0.85 of GPU memory on CUDA, 1 GiB on CPU");
+ABSL_FLAG(int, max_batch_size, 64, "most steps per attention launch");
+ABSL_FLAG(int, max_batch_tokens, 1024, "most query rows (sum of s_q) per launch");
+ABSL_FLAG(int, batch_window_us, 50, "how long an idle engine waits to fill a batch");
+ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
+ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
+          "largest request message accepted; larger ones fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_stream_inflight, 1024, "unanswered steps per Decode stream before the server stops reading it");
+ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
+ABSL_FLAG(int64_t, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long accepted steps may take to finish");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key serves TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
+ABSL_FLAG(std::string, auth_token, "", "when set, every RPC needs metadata 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving (for --listen host:0)");
+
+namespace latentd::server {
+namespace {
+
+int Fail(const std::string& message) {
+  spdlog::critical("{}", message);
+  return 2;
+}
+
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+bool GpuDevicePresent() {
+#ifdef LATENTD_NO_CUDA
+  return false;
+#else
+  struct stat st;
+  return stat("/dev/nvidiactl", &st) == 0;
+#endif
+}
+
+// Flags into engine options; returns a message naming the bad flag, or empty.
+std::string BuildEngineOptions(engine::EngineOptions* o) {
+  const std::string backend = absl::AsciiStrToLower(absl::GetFlag(FLAGS_backend));
+  if (backend == "auto") {
+    o->backend = engine::BackendKind::kAuto;
+  } else if (backend == "cuda") {
+    o->backend = engine::BackendKind::kCuda;
+  } else if (backend == "cpu") {
+    o->backend = engine::BackendKind::kCpu;
+  } else {
+    return "--backend: '" + backend + "'; expected auto, cuda or cpu";
+  }
+  const std::string dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_dtype));
+  if (dtype == "bf16") {
+    o->model.dtype = kernels::DType::kBF16;
+  } else if (dtype == "fp16") {
+    o->model.dtype = kernels::DType::kFP16;
+  } else {
+    return "--dtype: '" + dtype + "'; expected bf16 or fp16";
+  }
+  o->model.num_layers = absl::GetFlag(FLAGS_num_layers);
+  o->model.num_heads_q = absl::GetFlag(FLAGS_num_heads_q);
+  o->model.num_heads_kv = absl::GetFlag(FLAGS_num_heads_kv);
+  o->model.softmax_scale = static_cast<float>(absl::GetFlag(FLAGS_softmax_scale));
+  if (o->model.num_layers < 1) return "--num_layers: expected at least 1";
+  if (o->model.num_heads_kv < 1) return "--num_heads_kv: expected at least 1";
+  if (o->model.num_heads_q < 1 || o->model.num_heads_q % o->model.num_heads_kv != 0 ||
+      o->model.num_heads_q / o->model.num_heads_kv > kernels::kMaxHeadsPerKvHead) {
+    return absl::StrCat("--num_heads_q: expected a positive multiple of --num_heads_kv with at most ",
+                        kernels::kMaxHeadsPerKvHead, " query heads per KV head");
+  }
+  if (o->model.softmax_scale < 0 || !std::isfinite(o->model.softmax_scale)) {
+    return "--softmax_scale: expected a finite value >= 0";
+  }
+  o->device = absl::GetFlag(FLAGS_device);
+  o->kv_pages = absl::GetFlag(FLAGS_kv_pages);
+  o->kv_bytes = absl::GetFlag(FLAGS_kv_bytes);
+  o->kv_memory_fraction = absl::GetFlag(FLAGS_kv_memory_fraction);
+  if (o->kv_pages < 0 || o->kv_bytes < 0 || o->kv_memory_fraction < 0 || o->kv_memory_fraction > 1) {
+    return "--kv_pages/--kv_bytes/--kv_memory_fraction: expected non-negative values (fraction at most 1)";
+  }
+  if (o->kv_pages == 0 && o->kv_bytes == 0 && o->kv_memory_fraction == 0) {
+    const bool gpu = o->backend == engine::BackendKind::kCuda ||
+                     (o->backend == engine::BackendKind::kAuto && GpuDevicePresent());
+    if (gpu) {
+      o->kv_memory_fraction = 0.85;
+    } else {
+      o->kv_bytes = int64_t{1} << 30;
+    }
+  }
+  o->max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  o->max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o->max_queue = absl::GetFlag(FLAGS_max_queue);
+  o->batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
+  o->max_s_q = absl::GetFlag(FLAGS_max_s_q);
+  o->cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  if (o->max_batch_size < 1) return "--max_batch_size: expected at least 1";
+  if (o->max_queue < 1) return "--max_queue: expected at least 1";
+  if (o->max_s_q < 1) return "--max_s_q: expected at least 1";
+  if (o->max_batch_tokens < o->max_s_q) return "--max_batch_tokens: expected at least --max_s_q";
+  if (absl::GetFlag(FLAGS_batch_window_us) < 0) return "--batch_window_us: expected >= 0";
+  return "";
+}
+
+int Run() {
+  auto level = spdlog::level::from_str(absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level)));
+  spdlog::set_level(level);
+  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
+    return Fail("--log_level: expected trace, debug, info, warn, error or off");
+  }
+
+  engine::EngineOptions eo;
+  if (std::string err = BuildEngineOptions(&eo); !err.empty()) return Fail(err);
+  const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message_bytes < 1024 || max_message_bytes > (int64_t{1} << 31) - 1) {
+    return Fail("--max_message_bytes: expected 1024 to 2^31-1");
+  }
+  const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key_path = absl::GetFlag(FLAGS_tls_key);
+  if (cert_path.empty() != key_path.empty()) return Fail("--tls_cert and --tls_key: expected both or neither");
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!cert_path.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    if (!ReadFile(cert_path, &pair.cert_chain)) return Fail("--tls_cert: cannot read " + cert_path);
+    if (!ReadFile(key_path, &pair.private_key)) return Fail("--tls_key: cannot read " + key_path);
+    ssl.pem_key_cert_pairs.push_back(std::move(pair));
+    creds = grpc::SslServerCredentials(ssl);
+  }
+
+  auto created = engine::Engine::Create(eo);
+  if (!created.ok()) return Fail(absl::StrCat("engine: ", created.status().ToString()));
+  std::unique_ptr<engine::Engine> engine = std::move(*created);
+  const engine::EngineInfo info = engine->Info();
+
+  ServiceOptions so;
+  so.auth_token = absl::GetFlag(FLAGS_auth_token);
+  so.max_s_q = eo.max_s_q;
+  so.max_message_bytes = max_message_bytes;
+  so.max_stream_inflight = std::max(1, absl::GetFlag(FLAGS_max_stream_inflight));
+  so.version = kVersion;
+  DecodeServiceImpl service(engine.get(), so);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, creds, &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) return Fail("--listen: cannot serve on " + listen);
+
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string address = absl::StrCat(host, ":", port);
+  const int64_t page_bytes = int64_t{eo.model.num_layers} * kernels::kPageSize * eo.model.num_heads_kv *
+                             kernels::kHeadDimQK * kernels::DTypeBytes(eo.model.dtype);
+  spdlog::info(
+      "latentd {} serving on {} | backend {} device {} | layers {} h_q {} h_kv {} {} scale {:.6g} | "
+      "KV pool {} pages of 64 tokens ({:.2f} GiB) | max_batch {} | tls {} | auth {}",
+      kVersion, address, info.backend, eo.device, info.model.num_layers, info.model.num_heads_q,
+      info.model.num_heads_kv, kernels::DTypeName(info.model.dtype), info.model.softmax_scale, info.total_pages,
+      static_cast<double>(info.total_pages * page_bytes) / (1 << 30), info.max_batch_size,
+      cert_path.empty() ? "off" : "on", so.auth_token.empty() ? "off" : "on");
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    // Written to a temporary name and renamed so a reader never sees a partial file.
+    const std::string tmp = pf + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), pf.c_str());
+  }
+
+  // Idle-sequence TTL: a client that vanished leaks nothing for longer than this.
+  absl::Notification stop_ttl;
+  std::thread ttl_thread;
+  const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
+  if (ttl_s > 0) {
+    ttl_thread = std::thread([&] {
+      const absl::Duration ttl = absl::Seconds(ttl_s);
+      const absl::Duration period = std::min(absl::Seconds(1), ttl / 4);
+      while (!stop_ttl.WaitForNotificationWithTimeout(period)) {
+        const int released = engine->ReleaseIdleSequences(ttl);
+        if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);
+      }
+    });
+  }
+
+  // SIGTERM/SIGINT are blocked in every thread (see main) and taken here.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  int sig = 0;
+  sigwait(&signals, &sig);
+
+  const absl::Time drain_start = absl::Now();
+  spdlog::info("{} received: draining (health NOT_SERVING, new work UNAVAILABLE)", strsignal(sig));
+  server->GetHealthCheckService()->SetServingStatus(false);
+  service.BeginDrain();
+  const absl::Duration drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  const bool drained = engine->Drain(drain_timeout);
+  // Streams finish once their last results are written; give them what is left.
+  const absl::Time streams_deadline = std::max(drain_start + drain_timeout, absl::Now() + absl::Seconds(2));
+  while (service.OpenStreams() > 0 && absl::Now() < streams_deadline) absl::SleepFor(absl::Milliseconds(5));
+  const engine::EngineMetrics m = engine->Metrics();
+  if (!drained) {
+    // Steps still inside the engine reference stream buffers; stopping the server now
+    // would wait on them forever.
+    spdlog::error("drain timed out after {}s with {} steps still queued; exiting without them",
+                  absl::GetFlag(FLAGS_drain_timeout_s), m.queued_steps);
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  stop_ttl.Notify();
+  if (ttl_thread.joinable()) ttl_thread.join();
+  spdlog::info("drained in {:.3f}s: {} steps completed in total; exiting", absl::ToDoubleSeconds(absl::Now() - drain_start),
+               m.steps_completed);
+  server.reset();
+  engine.reset();
+  return 0;
+}
+
+}  // namespace
+}  // namespace latentd::server
+
+int main(int argc, char** argv) {
+  // Block the shutdown signals before any thread starts so that only sigwait sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("latentd"));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ %v");
+  absl::SetProgramUsageMessage("latentd: MLA decode attention over gRPC (latentd.v1.DecodeService).");
+  absl::ParseCommandLine(argc, argv);
+  return latentd::server::Run();
+}
