@@ -120,6 +120,7 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   if (o->model.softmax_scale < 0 || !std::isfinite(o->model.softmax_scale)) {
     return "--softmax_scale: expected a finite value >= 0";
   }
+  if (o->model.softmax_scale == 0) o->model.softmax_scale = 1.f / std::sqrt(float{kernels::kHeadDimQK});
   o->device = absl::GetFlag(FLAGS_device);
   o->kv_pages = absl::GetFlag(FLAGS_kv_pages);
   o->kv_bytes = absl::GetFlag(FLAGS_kv_bytes);

@@ -6,6 +6,7 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -517,7 +518,9 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_head_dim_v(kernels::kHeadDimV);
   response->set_page_size(kernels::kPageSize);
   response->set_dtype(ToProto(info.model.dtype));
-  response->set_softmax_scale(info.model.softmax_scale);
+  // 0 asks the engine for its default, which clients need to know to check results.
+  response->set_softmax_scale(info.model.softmax_scale > 0 ? info.model.softmax_scale
+                                                           : 1.f / std::sqrt(static_cast<float>(kernels::kHeadDimQK)));
   response->set_total_pages(info.total_pages);
   response->set_free_pages(info.free_pages);
   response->set_max_batch_size(info.max_batch_size);

@@ -1,0 +1,201 @@
+// The C++ client of latentd.v1.DecodeService; see client.h.
+#include "server/client/client.h"
+
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "proto/health.grpc.pb.h"
+
+namespace latentd::client {
+
+Shape::Shape(const v1::ServerInfo& info)
+    : num_layers(info.num_layers()),
+      h_q(info.num_heads_q()),
+      h_kv(info.num_heads_kv()),
+      q_row_bytes(int64_t{info.num_heads_q()} * info.head_dim_qk() * 2),
+      kv_row_bytes(int64_t{info.num_heads_kv()} * info.head_dim_qk() * 2),
+      out_row_bytes(int64_t{info.num_heads_q()} * info.head_dim_v() * 2) {}
+
+grpc::Status FromAbsl(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status ToAbsl(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options, absl::Duration timeout) {
+  std::unique_ptr<Client> c(new Client());
+  c->options_ = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_send_bytes));
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs_pem;
+    creds = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
+  c->stub_ = v1::DecodeService::NewStub(c->channel_);
+  if (!c->channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to ", options.target));
+  }
+  auto info = c->GetInfo();
+  if (!info.ok()) return info.status();
+  c->info_ = *info;
+  c->shape_ = Shape(c->info_);
+  return c;
+}
+
+void Client::Prepare(grpc::ClientContext* ctx) const {
+  if (!options_.auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.auth_token);
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetInfo() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ServerInfo info;
+  grpc::Status st = stub_->GetInfo(&ctx, v1::GetInfoRequest(), &info);
+  if (!st.ok()) return ToAbsl(st);
+  return info;
+}
+
+absl::StatusOr<std::string> Client::CreateSequence(absl::string_view sequence_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::CreateSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  v1::CreateSequenceResponse resp;
+  grpc::Status st = stub_->CreateSequence(&ctx, req, &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return resp.sequence_id();
+}
+
+absl::StatusOr<v1::AppendKvResponse> Client::AppendKv(absl::string_view sequence_id, int layer,
+                                                      absl::string_view kv) {
+  return AppendKvParts(sequence_id, {{layer, kv}});
+}
+
+absl::StatusOr<v1::AppendKvResponse> Client::AppendKvLayers(absl::string_view sequence_id,
+                                                            const std::vector<absl::string_view>& kv_per_layer) {
+  std::vector<std::pair<int, absl::string_view>> parts;
+  for (int layer = 0; layer < static_cast<int>(kv_per_layer.size()); ++layer) {
+    if (!kv_per_layer[layer].empty()) parts.emplace_back(layer, kv_per_layer[layer]);
+  }
+  return AppendKvParts(sequence_id, parts);
+}
+
+absl::StatusOr<v1::AppendKvResponse> Client::AppendKvParts(
+    absl::string_view sequence_id, const std::vector<std::pair<int, absl::string_view>>& parts) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::AppendKvResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendKvRequest>> w = stub_->AppendKv(&ctx, &resp);
+  const int64_t row = std::max<int64_t>(shape_.kv_row_bytes, 1);
+  const int64_t chunk = std::max<int64_t>(row, options_.append_chunk_bytes / row * row);
+  v1::AppendKvRequest req;
+  bool first = true;
+  bool open = true;
+  for (const auto& [layer, rows] : parts) {
+    absl::string_view kv = rows;
+    // An empty part still sends one message, so the server checks its layer.
+    do {
+      const absl::string_view piece = kv.substr(0, chunk);
+      kv.remove_prefix(piece.size());
+      req.Clear();
+      if (first) req.set_sequence_id(std::string(sequence_id));
+      first = false;
+      req.set_layer(layer);
+      req.set_kv(piece.data(), piece.size());
+      open = w->Write(req);  // false: the server ended the stream; Finish has the status
+    } while (open && !kv.empty());
+    if (!open) break;
+  }
+  if (open) w->WritesDone();
+  grpc::Status st = w->Finish();
+  if (!st.ok()) return ToAbsl(st);
+  return resp;
+}
+
+absl::StatusOr<std::string> Client::ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ForkSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  req.set_new_sequence_id(std::string(new_sequence_id));
+  v1::ForkSequenceResponse resp;
+  grpc::Status st = stub_->ForkSequence(&ctx, req, &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return resp.sequence_id();
+}
+
+absl::StatusOr<int64_t> Client::ReleaseSequence(absl::string_view sequence_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ReleaseSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  v1::ReleaseSequenceResponse resp;
+  grpc::Status st = stub_->ReleaseSequence(&ctx, req, &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return resp.pages_freed();
+}
+
+absl::StatusOr<std::string> Client::Health() {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status st = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+}
+
+std::unique_ptr<DecodeStream> Client::OpenDecodeStream() { return std::make_unique<DecodeStream>(this); }
+
+absl::StatusOr<std::map<uint64_t, v1::StepResult>> Client::DecodeAll(const std::vector<v1::DecodeStep>& steps,
+                                                                     int steps_per_message) {
+  auto stream = OpenDecodeStream();
+  std::map<uint64_t, v1::StepResult> results;
+  std::thread reader([&] {
+    v1::DecodeResponse resp;
+    while (stream->Read(&resp)) {
+      for (auto& r : *resp.mutable_results()) {
+        const uint64_t id = r.request_id();
+        results[id] = std::move(r);
+      }
+    }
+  });
+  v1::DecodeRequest req;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    *req.add_steps() = steps[i];
+    if (req.steps_size() >= steps_per_message || i + 1 == steps.size()) {
+      if (!stream->Write(req)) break;
+      req.Clear();
+    }
+  }
+  stream->WritesDone();
+  reader.join();
+  grpc::Status st = stream->Finish();
+  if (!st.ok()) return ToAbsl(st);
+  return results;
+}
+
+DecodeStream::DecodeStream(Client* client) {
+  client->Prepare(&ctx_);
+  rw_ = client->stub()->Decode(&ctx_);
+}
+
+DecodeStream::~DecodeStream() = default;
+
+bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(request); }
+bool DecodeStream::Read(v1::DecodeResponse* response) { return rw_->Read(response); }
+bool DecodeStream::WritesDone() { return rw_->WritesDone(); }
+grpc::Status DecodeStream::Finish() { return rw_->Finish(); }
+
+}  // namespace latentd::client

@@ -1,0 +1,113 @@
+// A small C++ client for latentd.v1.DecodeService: connection setup (TLS, bearer
+// token, message limits), the unary RPCs, chunked AppendKv, health, and Decode streams.
+// Thread-safe: one Client may be shared by many threads; each DecodeStream by one writer
+// and one reader thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/latentd.grpc.pb.h"
+
+namespace latentd::client {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";
+  std::string auth_token;        // sent as 'authorization: Bearer <token>' when set
+  bool tls = false;              // TLS with tls_root_certs_pem (or the system roots when empty)
+  std::string tls_root_certs_pem;
+  std::string tls_server_name;   // overrides the name checked against the certificate
+  int64_t append_chunk_bytes = 4 << 20;  // AppendKv message size (rounded down to whole rows)
+  int64_t max_send_bytes = 64 << 20;
+};
+
+// Sizes of one step's tensors for a server's shape.
+struct Shape {
+  int num_layers = 0, h_q = 0, h_kv = 0;
+  int64_t q_row_bytes = 0, kv_row_bytes = 0, out_row_bytes = 0;
+  explicit Shape(const v1::ServerInfo& info);
+  Shape() = default;
+  int64_t QBytes(int s_q) const { return s_q * q_row_bytes; }
+  int64_t KvBytes(int64_t rows) const { return rows * kv_row_bytes; }
+  int64_t OutBytes(int s_q) const { return s_q * out_row_bytes; }
+  int64_t LseBytes(int s_q) const { return int64_t{s_q} * h_q * 4; }
+};
+
+grpc::Status FromAbsl(const absl::Status& s);
+absl::Status ToAbsl(const grpc::Status& s);
+
+class DecodeStream;
+
+class Client {
+ public:
+  // Connects and fetches ServerInfo (fails if the server is unreachable within timeout).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options,
+                                                         absl::Duration timeout = absl::Seconds(10));
+
+  const v1::ServerInfo& info() const { return info_; }
+  const Shape& shape() const { return shape_; }
+
+  absl::StatusOr<v1::ServerInfo> GetInfo();
+  absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id = "");
+  // Uploads rows [n, h_kv, 576] to one layer in chunks over one AppendKv stream.
+  absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv);
+  // Several layers' rows in one AppendKv stream (kv_per_layer[l] may be empty).
+  absl::StatusOr<v1::AppendKvResponse> AppendKvLayers(absl::string_view sequence_id,
+                                                      const std::vector<absl::string_view>& kv_per_layer);
+  absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id = "");
+  absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id);
+  // grpc.health.v1 status of the whole server: "SERVING", "NOT_SERVING", ...
+  absl::StatusOr<std::string> Health();
+
+  std::unique_ptr<DecodeStream> OpenDecodeStream();
+
+  // Sends the steps on a fresh stream (in messages of up to steps_per_message), closes
+  // the sending side and collects every result by request_id. The stream's final
+  // status is returned when it is not OK.
+  absl::StatusOr<std::map<uint64_t, v1::StepResult>> DecodeAll(const std::vector<v1::DecodeStep>& steps,
+                                                              int steps_per_message = 16);
+
+  // Adds the bearer token (if any) to a context for calls made through stub().
+  void Prepare(grpc::ClientContext* ctx) const;
+  v1::DecodeService::Stub* stub() { return stub_.get(); }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+
+ private:
+  Client() = default;
+  absl::StatusOr<v1::AppendKvResponse> AppendKvParts(absl::string_view sequence_id,
+                                                     const std::vector<std::pair<int, absl::string_view>>& parts);
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::DecodeService::Stub> stub_;
+  v1::ServerInfo info_;
+  Shape shape_;
+};
+
+// One Decode stream (synchronous gRPC API): Write from one thread, Read from another.
+class DecodeStream {
+ public:
+  DecodeStream(Client* client);
+  ~DecodeStream();
+  bool Write(const v1::DecodeRequest& request);
+  bool Read(v1::DecodeResponse* response);
+  bool WritesDone();
+  // After Read returned false.
+  grpc::Status Finish();
+  // Abandons the stream (the server drops its unstarted steps).
+  void Cancel() { ctx_.TryCancel(); }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
+};
+
+}  // namespace latentd::client

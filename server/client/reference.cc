@@ -1,0 +1,168 @@
+// Recomputes decode steps on the client with the exact CPU implementation; see reference.h.
+#include "server/client/reference.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/half.h"
+
+namespace latentd::client {
+
+std::string RandomHalves(std::mt19937_64& rng, size_t count, kernels::DType dtype) {
+  std::string out(count * 2, '\0');
+  uint16_t* p = reinterpret_cast<uint16_t*>(&out[0]);
+  for (size_t i = 0; i < count; i += 4) {
+    uint64_t r = rng();
+    for (size_t j = 0; j < 4 && i + j < count; ++j, r >>= 16) {
+      const float f = static_cast<float>(r & 0xffff) / 32768.f - 1.f;
+      p[i + j] = kernels::FloatToHalf(dtype, f);
+    }
+  }
+  return out;
+}
+
+kernels::DType DTypeOf(const v1::ServerInfo& info) {
+  return info.dtype() == v1::FP16 ? kernels::DType::kFP16 : kernels::DType::kBF16;
+}
+
+Reference::Reference(const v1::ServerInfo& info, int cpu_threads)
+    : dtype_(DTypeOf(info)),
+      h_q_(info.num_heads_q()),
+      h_kv_(info.num_heads_kv()),
+      scale_(info.softmax_scale()),
+      num_layers_(info.num_layers()),
+      decoder_(std::make_unique<kernels::CpuMlaDecoder>(cpu_threads)) {}
+
+void Reference::Append(const std::string& sequence_id, int layer, absl::string_view rows) {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  auto& layers = rows_[sequence_id];
+  layers.resize(num_layers_);
+  auto& v = layers.at(layer);
+  const size_t old = v.size();
+  v.resize(old + rows.size() / 2);
+  std::memcpy(v.data() + old, rows.data(), rows.size() / 2 * 2);
+}
+
+void Reference::Fork(const std::string& from, const std::string& to) {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  auto copy = rows_[from];
+  copy.resize(num_layers_);
+  rows_[to] = std::move(copy);
+}
+
+void Reference::Erase(const std::string& sequence_id) {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  rows_.erase(sequence_id);
+}
+
+int64_t Reference::Length(const std::string& sequence_id, int layer) const {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  auto it = rows_.find(sequence_id);
+  if (it == rows_.end() || layer >= static_cast<int>(it->second.size())) return 0;
+  return static_cast<int64_t>(it->second[layer].size()) / (int64_t{h_kv_} * kernels::kHeadDimQK);
+}
+
+absl::Status Reference::Expected(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,
+                                 int s_q, bool causal, std::string* out, std::string* lse) {
+  const int64_t row = int64_t{h_kv_} * kernels::kHeadDimQK;
+  const int64_t pages = std::max<int64_t>(1, (end + kernels::kPageSize - 1) / kernels::kPageSize);
+  std::vector<uint16_t> kv(static_cast<size_t>(pages * kernels::kPageSize * row), 0);
+  {
+    std::lock_guard<std::mutex> l(rows_mu_);
+    auto it = rows_.find(sequence_id);
+    if (it == rows_.end() || layer < 0 || layer >= static_cast<int>(it->second.size())) {
+      return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
+    }
+    const auto& v = it->second[layer];
+    if (static_cast<int64_t>(v.size()) < end * row) {
+      return absl::OutOfRangeError(absl::StrCat("reference: ", sequence_id, " layer ", layer, " has ",
+                                                v.size() / row, " rows, step needs ", end));
+    }
+    std::memcpy(kv.data(), v.data(), static_cast<size_t>(end * row) * 2);
+  }
+  std::vector<int32_t> table(static_cast<size_t>(pages));
+  for (int64_t i = 0; i < pages; ++i) table[i] = static_cast<int32_t>(i);
+  const int32_t seqlen = static_cast<int32_t>(end);
+  out->assign(static_cast<size_t>(s_q) * h_q_ * kernels::kHeadDimV * 2, '\0');
+  lse->assign(static_cast<size_t>(s_q) * h_q_ * 4, '\0');
+  kernels::MlaDecodeParams p;
+  p.dtype = dtype_;
+  p.batch = 1;
+  p.s_q = s_q;
+  p.h_q = h_q_;
+  p.h_kv = h_kv_;
+  p.num_pages = static_cast<int>(pages);
+  p.max_pages_per_seq = static_cast<int>(pages);
+  p.softmax_scale = scale_;
+  p.causal = causal;
+  p.q = q.data();
+  p.kv = kv.data();
+  p.block_table = table.data();
+  p.seqlens = &seqlen;
+  p.out = &(*out)[0];
+  p.lse = reinterpret_cast<float*>(&(*lse)[0]);
+  kernels::SetContiguousStrides(&p);
+  std::lock_guard<std::mutex> l(decoder_mu_);
+  kernels::Status st = decoder_->Run(p);
+  if (!st.ok()) return absl::InternalError("reference decoder: " + st.message);
+  return absl::OkStatus();
+}
+
+absl::Status Reference::Compare(absl::string_view got_out, absl::string_view got_lse, absl::string_view want_out,
+                                absl::string_view want_lse) const {
+  if (got_out.size() != want_out.size()) {
+    return absl::DataLossError(absl::StrCat("out: ", got_out.size(), " bytes, expected ", want_out.size()));
+  }
+  if (got_lse.size() != want_lse.size()) {
+    return absl::DataLossError(absl::StrCat("lse: ", got_lse.size(), " bytes, expected ", want_lse.size()));
+  }
+  // FlashMLA's acceptance: abs 8e-4 or rel 2/128 per element (bf16; fp16 keeps 3 more
+  // mantissa bits), cosine distance under 5e-6; lse abs 1e-5 or rel 8/65536.
+  const double rel = dtype_ == kernels::DType::kBF16 ? 2.0 / 128 : 2.0 / 1024;
+  const size_t n = got_out.size() / 2;
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(got_out.data());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(want_out.data());
+  double dot = 0, gg = 0, ww = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double a = kernels::HalfToFloat(dtype_, g[i]);
+    const double b = kernels::HalfToFloat(dtype_, w[i]);
+    if (!std::isfinite(a) || std::abs(a - b) > std::max(8e-4, rel * std::abs(b))) {
+      return absl::DataLossError(absl::StrFormat("out[%d] (token %d, head %d, dim %d): got %.6g, expected %.6g",
+                                                 i, i / (h_q_ * 512), (i / 512) % h_q_, i % 512, a, b));
+    }
+    dot += a * b;
+    gg += a * a;
+    ww += b * b;
+  }
+  if (gg > 0 && ww > 0) {
+    const double cos_dist = 1.0 - dot / std::sqrt(gg * ww);
+    if (cos_dist > 5e-6) return absl::DataLossError(absl::StrFormat("out: cosine distance %.3g > 5e-6", cos_dist));
+  }
+  const size_t m = got_lse.size() / 4;
+  for (size_t i = 0; i < m; ++i) {
+    float a, b;
+    std::memcpy(&a, got_lse.data() + 4 * i, 4);
+    std::memcpy(&b, want_lse.data() + 4 * i, 4);
+    if (std::isinf(b) && a == b) continue;
+    if (!std::isfinite(a) || std::abs(double(a) - b) > std::max(1e-5, 8.0 / 65536 * std::abs(b))) {
+      return absl::DataLossError(absl::StrFormat("lse[%d]: got %.8g, expected %.8g", i, a, b));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Reference::Check(const std::string& sequence_id, int layer, int64_t end, absl::string_view q, int s_q,
+                              bool causal, const v1::StepResult& result) {
+  if (result.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(result.code()),
+                        absl::StrCat("step failed on the server: ", result.message()));
+  }
+  std::string out, lse;
+  absl::Status st = Expected(sequence_id, layer, end, q, s_q, causal, &out, &lse);
+  if (!st.ok()) return st;
+  return Compare(result.out(), result.lse(), out, lse);
+}
+
+}  // namespace latentd::client

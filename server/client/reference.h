@@ -1,0 +1,62 @@
+// Client-side check of server results: mirrors every KV row a client uploaded (prefixes
+// and decode steps, in the order the server appends them) and recomputes a step with
+// the exact CPU implementation (kernels/cpu), then compares within FlashMLA's tolerances.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "kernels/cpu/mla_decode_cpu.h"
+#include "kernels/params.h"
+#include "proto/latentd.pb.h"
+
+namespace latentd::client {
+
+// count random 16-bit values (uniform in [-1, 1)) in the given dtype, as raw bytes.
+std::string RandomHalves(std::mt19937_64& rng, size_t count, kernels::DType dtype);
+
+kernels::DType DTypeOf(const v1::ServerInfo& info);
+
+class Reference {
+ public:
+  // cpu_threads: threads of the CPU decoder used for checks (0: all cores).
+  explicit Reference(const v1::ServerInfo& info, int cpu_threads = 2);
+
+  void Append(const std::string& sequence_id, int layer, absl::string_view rows);
+  void Fork(const std::string& from, const std::string& to);
+  void Erase(const std::string& sequence_id);
+  int64_t Length(const std::string& sequence_id, int layer) const;
+
+  // Expected out [s_q, h_q, 512] and lse [h_q, s_q] of a step over rows [0, end) of the
+  // layer, where end counts the step's own new rows (so end = length after the step).
+  absl::Status Expected(const std::string& sequence_id, int layer, int64_t end, absl::string_view q, int s_q,
+                        bool causal, std::string* out, std::string* lse);
+
+  // OK when the server's out/lse bytes match the expected ones within tolerance; the
+  // error says where and by how much they differ.
+  absl::Status Compare(absl::string_view got_out, absl::string_view got_lse, absl::string_view want_out,
+                       absl::string_view want_lse) const;
+
+  // Expected + Compare for one result.
+  absl::Status Check(const std::string& sequence_id, int layer, int64_t end, absl::string_view q, int s_q,
+                     bool causal, const v1::StepResult& result);
+
+ private:
+  const kernels::DType dtype_;
+  const int h_q_, h_kv_;
+  const float scale_;
+  mutable std::mutex rows_mu_;
+  std::map<std::string, std::vector<std::vector<uint16_t>>> rows_;  // per sequence, per layer
+  const int num_layers_;
+  std::mutex decoder_mu_;
+  std::unique_ptr<kernels::CpuMlaDecoder> decoder_;
+};
+
+}  // namespace latentd::client

@@ -1,0 +1,334 @@
+// latentd load generator: creates sequences with random prefixes (AppendKv), streams
+// synthetic decode steps from many concurrent Decode streams for a while, checks a
+// sample of results against the CPU implementation, and reports steps/s and latency
+// percentiles. Model shape comes from GetInfo.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/client/client.h"
+#include "server/client/reference.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
+ABSL_FLAG(int, sequences, 64, "sequences to create (N)");
+ABSL_FLAG(int, streams, 64, "concurrent Decode streams (M); sequences are spread over them");
+ABSL_FLAG(int, prefix_len, 4096, "prefix tokens uploaded per sequence and layer");
+ABSL_FLAG(double, duration_s, 30, "how long to stream decode steps");
+ABSL_FLAG(int, layers, 1, "layers to drive per sequence (at most the server's num_layers; 0: all)");
+ABSL_FLAG(double, check_fraction, 0.01, "fraction of steps checked against the CPU implementation");
+ABSL_FLAG(int, s_q, 1, "query tokens per step");
+ABSL_FLAG(bool, causal, true, "causal masking for s_q > 1");
+ABSL_FLAG(int, window, 1, "steps in flight per stream (1: each stream waits for its result)");
+ABSL_FLAG(int, check_threads, 4, "CPU threads for result checks");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(std::string, auth_token, "", "bearer token");
+ABSL_FLAG(bool, tls, false, "connect with TLS");
+ABSL_FLAG(std::string, tls_root_certs, "", "PEM file of trusted roots for --tls (default: system roots)");
+ABSL_FLAG(std::string, tls_server_name, "", "name expected in the server certificate");
+ABSL_FLAG(bool, release, true, "release the sequences at the end");
+
+namespace latentd::loadgen {
+namespace {
+
+using client::Client;
+using Clock = std::chrono::steady_clock;
+
+struct Pending {
+  Clock::time_point sent;
+  int seq = 0;
+  int layer = 0;
+  int64_t end = 0;  // layer length after the step
+  int q_index = -1;  // into the q pool when checked, else -1
+};
+
+struct Totals {
+  std::atomic<uint64_t> ok{0}, failed{0}, checked{0}, mismatched{0};
+  std::mutex mu;
+  std::vector<float> latency_us;  // merged at the end
+  std::map<int, uint64_t> failures_by_code;
+  std::string first_failure;
+};
+
+double Percentile(std::vector<float>& v, double p) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  std::nth_element(v.begin(), v.begin() + k, v.end());
+  return v[k];
+}
+
+int Main() {
+  client::ClientOptions co;
+  co.target = absl::GetFlag(FLAGS_target);
+  co.auth_token = absl::GetFlag(FLAGS_auth_token);
+  co.tls = absl::GetFlag(FLAGS_tls);
+  if (const std::string roots = absl::GetFlag(FLAGS_tls_root_certs); !roots.empty()) {
+    std::ifstream f(roots);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    co.tls_root_certs_pem = ss.str();
+  }
+  co.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  auto connected = Client::Connect(co);
+  if (!connected.ok()) {
+    std::fprintf(stderr, "loadgen: %s\n", connected.status().ToString().c_str());
+    return 2;
+  }
+  std::unique_ptr<Client> c = std::move(*connected);
+  const v1::ServerInfo info = c->info();
+  const client::Shape shape = c->shape();
+  const kernels::DType dtype = client::DTypeOf(info);
+  const int n_seq = absl::GetFlag(FLAGS_sequences);
+  const int n_streams = std::max(1, std::min(absl::GetFlag(FLAGS_streams), n_seq));
+  const int prefix = absl::GetFlag(FLAGS_prefix_len);
+  int layers = absl::GetFlag(FLAGS_layers);
+  if (layers <= 0 || layers > info.num_layers()) layers = info.num_layers();
+  const int s_q = absl::GetFlag(FLAGS_s_q);
+  const bool causal = absl::GetFlag(FLAGS_causal);
+  const int window = std::max(1, absl::GetFlag(FLAGS_window));
+  const double check_fraction = absl::GetFlag(FLAGS_check_fraction);
+  const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  if (n_seq < 1 || prefix < 0 || s_q < 1 || s_q > std::max(1, info.max_s_q())) {
+    std::fprintf(stderr, "loadgen: need --sequences >= 1, --prefix_len >= 0, 1 <= --s_q <= %d\n", info.max_s_q());
+    return 2;
+  }
+  std::printf("loadgen: %s backend %s, layers %d h_q %d h_kv %d %s, pool %ld pages (%ld free)\n",
+              co.target.c_str(), info.backend().c_str(), info.num_layers(), info.num_heads_q(),
+              info.num_heads_kv(), dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
+              static_cast<long>(info.total_pages()), static_cast<long>(info.free_pages()));
+  std::fflush(stdout);
+
+  std::unique_ptr<client::Reference> ref;
+  if (check_fraction > 0) ref = std::make_unique<client::Reference>(info, absl::GetFlag(FLAGS_check_threads));
+  const bool tty = isatty(STDERR_FILENO);
+
+  // Setup: sequences and prefixes, uploaded from n_streams threads.
+  std::vector<std::string> ids(n_seq);
+  std::atomic<int> uploaded{0};
+  std::atomic<bool> setup_failed{false};
+  std::string setup_error;
+  std::mutex setup_mu;
+  const absl::Time setup_start = absl::Now();
+  {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < n_streams; ++t) {
+      threads.emplace_back([&, t] {
+        std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) * 7919 + t);
+        for (int i = t; i < n_seq && !setup_failed; i += n_streams) {
+          auto id = c->CreateSequence();
+          absl::Status st = id.status();
+          if (st.ok()) {
+            ids[i] = *id;
+            std::vector<std::string> rows(layers);
+            std::vector<absl::string_view> views(layers);
+            for (int l = 0; l < layers; ++l) {
+              rows[l] = client::RandomHalves(rng, static_cast<size_t>(prefix) * shape.h_kv * 576, dtype);
+              views[l] = rows[l];
+              if (ref) ref->Append(ids[i], l, rows[l]);
+            }
+            if (prefix > 0) st = c->AppendKvLayers(ids[i], views).status();
+          }
+          if (!st.ok()) {
+            std::lock_guard<std::mutex> l(setup_mu);
+            setup_error = st.ToString();
+            setup_failed = true;
+          }
+          ++uploaded;
+        }
+      });
+    }
+    absl::Time shown = absl::InfinitePast();
+    while (uploaded.load() < n_seq && !setup_failed) {
+      if (absl::Now() - shown > (tty ? absl::Milliseconds(200) : absl::Seconds(5))) {
+        shown = absl::Now();
+        std::fprintf(stderr, "%ssetup: %d/%d sequences with %d-token prefixes%s", tty ? "\r" : "", uploaded.load(),
+                     n_seq, prefix, tty ? "" : "\n");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    for (auto& t : threads) t.join();
+  }
+  if (setup_failed) {
+    std::fprintf(stderr, "\nloadgen: setup failed: %s\n", setup_error.c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "%ssetup: %d sequences x %d layer(s) x %d tokens in %.1f s\n", tty ? "\r" : "", n_seq, layers,
+               prefix, absl::ToDoubleSeconds(absl::Now() - setup_start));
+
+  // Pools of random q and kv inputs, reused by every step (checked steps record which).
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  constexpr int kPool = 64;
+  std::vector<std::string> q_pool(kPool), kv_pool(kPool);
+  for (int i = 0; i < kPool; ++i) {
+    q_pool[i] = client::RandomHalves(rng, static_cast<size_t>(shape.QBytes(s_q) / 2), dtype);
+    kv_pool[i] = client::RandomHalves(rng, static_cast<size_t>(shape.KvBytes(s_q) / 2), dtype);
+  }
+
+  Totals totals;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> sent_total{0};
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> workers;
+  for (int t = 0; t < n_streams; ++t) {
+    workers.emplace_back([&, t] {
+      std::vector<int> mine;
+      for (int i = t; i < n_seq; i += n_streams) mine.push_back(i);
+      std::vector<std::vector<int64_t>> length(mine.size(), std::vector<int64_t>(layers, prefix));
+      std::mt19937_64 srng(absl::GetFlag(FLAGS_seed) * 104729 + t);
+      std::uniform_real_distribution<double> coin(0, 1);
+      std::mutex mu;
+      std::condition_variable cv;
+      std::unordered_map<uint64_t, Pending> pending;
+      std::vector<float> lat;
+      auto stream = c->OpenDecodeStream();
+      std::thread reader([&] {
+        v1::DecodeResponse resp;
+        while (stream->Read(&resp)) {
+          const Clock::time_point now = Clock::now();
+          for (const v1::StepResult& r : resp.results()) {
+            Pending p;
+            {
+              std::lock_guard<std::mutex> l(mu);
+              auto it = pending.find(r.request_id());
+              if (it == pending.end()) continue;
+              p = it->second;
+              pending.erase(it);
+            }
+            cv.notify_one();
+            if (r.code() != 0) {
+              ++totals.failed;
+              std::lock_guard<std::mutex> l(totals.mu);
+              ++totals.failures_by_code[r.code()];
+              if (totals.first_failure.empty()) totals.first_failure = r.message();
+              continue;
+            }
+            ++totals.ok;
+            lat.push_back(std::chrono::duration<float, std::micro>(now - p.sent).count());
+            if (p.q_index >= 0) {
+              absl::Status st = ref->Check(ids[p.seq], p.layer, p.end, q_pool[p.q_index], s_q, causal, r);
+              ++totals.checked;
+              if (!st.ok()) {
+                ++totals.mismatched;
+                std::lock_guard<std::mutex> l(totals.mu);
+                if (totals.first_failure.empty()) totals.first_failure = ids[p.seq] + ": " + st.ToString();
+              }
+            }
+          }
+        }
+      });
+      v1::DecodeRequest req;
+      v1::DecodeStep* step = req.add_steps();
+      step->set_causal(causal);
+      uint64_t counter = 0;
+      size_t next = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        {
+          std::unique_lock<std::mutex> l(mu);
+          cv.wait(l, [&] { return pending.size() < static_cast<size_t>(window) || stop.load(); });
+          if (stop) break;
+        }
+        const size_t k = next % mine.size();
+        const int layer = static_cast<int>((next / mine.size()) % layers);
+        ++next;
+        const int pool_index = static_cast<int>(srng() % kPool);
+        const bool check = ref && coin(srng) < check_fraction;
+        const uint64_t id = (uint64_t(t) << 40) | counter++;
+        step->set_request_id(id);
+        step->set_sequence_id(ids[mine[k]]);
+        step->set_layer(layer);
+        step->set_q(q_pool[pool_index]);
+        step->set_kv(kv_pool[pool_index]);
+        if (ref) ref->Append(ids[mine[k]], layer, kv_pool[pool_index]);
+        length[k][layer] += s_q;
+        Pending p{Clock::now(), mine[k], layer, length[k][layer], check ? pool_index : -1};
+        {
+          std::lock_guard<std::mutex> l(mu);
+          pending[id] = p;
+        }
+        if (!stream->Write(req)) break;
+        ++sent_total;
+      }
+      stream->WritesDone();
+      reader.join();
+      grpc::Status st = stream->Finish();
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> l(totals.mu);
+        if (totals.first_failure.empty()) totals.first_failure = "stream: " + st.error_message();
+        totals.failed += pending.size();
+      }
+      std::lock_guard<std::mutex> l(totals.mu);
+      totals.latency_us.insert(totals.latency_us.end(), lat.begin(), lat.end());
+    });
+  }
+
+  uint64_t last_ok = 0;
+  absl::Time last = start;
+  while (absl::Now() - start < duration) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const absl::Time now = absl::Now();
+    if (now - last < (tty ? absl::Milliseconds(500) : absl::Seconds(5))) continue;
+    const uint64_t ok = totals.ok.load();
+    std::fprintf(stderr, "%s[%5.1f/%.0f s] %lu steps, %.0f steps/s now, %lu failed, %lu checked (%lu bad)   %s",
+                 tty ? "\r" : "", absl::ToDoubleSeconds(now - start), absl::ToDoubleSeconds(duration),
+                 static_cast<unsigned long>(ok), (ok - last_ok) / std::max(1e-9, absl::ToDoubleSeconds(now - last)),
+                 static_cast<unsigned long>(totals.failed.load()), static_cast<unsigned long>(totals.checked.load()),
+                 static_cast<unsigned long>(totals.mismatched.load()), tty ? "" : "\n");
+    last_ok = ok;
+    last = now;
+  }
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  const uint64_t ok_at_stop = totals.ok.load();
+  stop = true;
+  for (auto& w : workers) w.join();
+  if (tty) std::fprintf(stderr, "\n");
+
+  if (absl::GetFlag(FLAGS_release)) {
+    for (const std::string& id : ids) (void)c->ReleaseSequence(id);
+  }
+  std::vector<float>& lat = totals.latency_us;
+  const double p50 = Percentile(lat, 0.50) / 1000, p90 = Percentile(lat, 0.90) / 1000,
+               p99 = Percentile(lat, 0.99) / 1000;
+  const double max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end()) / 1000;
+  std::printf("loadgen: %d streams, %d sequences x %d-token prefixes, %d layer(s), s_q %d%s, window %d, %.1f s\n",
+              n_streams, n_seq, prefix, layers, s_q, s_q > 1 && causal ? " causal" : "", window, elapsed);
+  std::printf("steps: %lu ok, %lu failed; %.1f steps/s\n", static_cast<unsigned long>(totals.ok.load()),
+              static_cast<unsigned long>(totals.failed.load()), ok_at_stop / elapsed);
+  std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", p50, p90, p99, max);
+  std::printf("checked %lu steps against the CPU implementation: %lu ok, %lu mismatched\n",
+              static_cast<unsigned long>(totals.checked.load()),
+              static_cast<unsigned long>(totals.checked.load() - totals.mismatched.load()),
+              static_cast<unsigned long>(totals.mismatched.load()));
+  for (const auto& [code, n] : totals.failures_by_code) {
+    std::printf("failed with code %d: %lu\n", code, static_cast<unsigned long>(n));
+  }
+  if (!totals.first_failure.empty()) std::printf("first problem: %s\n", totals.first_failure.c_str());
+  return totals.mismatched.load() == 0 && totals.failed.load() == 0 && totals.ok.load() > 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace latentd::loadgen
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("latentd load generator: decode steps from many streams, steps/s and latency.");
+  absl::ParseCommandLine(argc, argv);
+  return latentd::loadgen::Main();
+}
