@@ -1,0 +1,12 @@
+# latentd_client: Python client of latentd.v1.DecodeService (MLA decode attention over
+# gRPC), for serving stacks that keep their KV caches on a latentd daemon.
+from .client import (  # noqa: F401
+    LatentdClient,
+    DecodeSession,
+    StepOutput,
+    LatentdError,
+    to_wire,
+    from_wire,
+    reference_decode,
+)
+from . import latentd_pb2, latentd_pb2_grpc  # noqa: F401

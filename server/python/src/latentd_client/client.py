@@ -1,0 +1,260 @@
+# The latentd Python client: a thin wrapper over the generated gRPC stubs that moves
+# numpy arrays to and from the server's wire format (raw bf16/fp16 values), uploads
+# prefixes in chunks and runs decode steps over a Decode stream.
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from . import health_pb2, health_pb2_grpc, latentd_pb2, latentd_pb2_grpc
+
+HEAD_DIM_QK = 576
+HEAD_DIM_V = 512
+
+
+class LatentdError(Exception):
+    """An RPC or step failed; .code is the grpc.StatusCode, .message the server's text."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def to_wire(array, dtype):
+    """float array -> raw little-endian bytes in the server dtype (latentd_pb2.BF16 or FP16)."""
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == latentd_pb2.FP16:
+        return a.astype("<f2").tobytes()
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+    return rounded.astype("<u2").tobytes()
+
+
+def from_wire(data, dtype, shape=None):
+    """Raw bytes in the server dtype -> float32 array (optionally reshaped)."""
+    if dtype == latentd_pb2.FP16:
+        a = np.frombuffer(data, dtype="<f2").astype(np.float32)
+    else:
+        a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return a.reshape(shape) if shape is not None else a
+
+
+def reference_decode(q, kv, softmax_scale, causal=False):
+    """Naive float64 MLA decode for checking results.
+
+    q: [s_q, h_q, 576], kv: [n, h_kv, 576] (every row of the layer, the step's own rows
+    last). Returns out [s_q, h_q, 512] and lse [h_q, s_q].
+    """
+    q = np.asarray(q, dtype=np.float64)
+    kv = np.asarray(kv, dtype=np.float64)
+    s_q, h_q, _ = q.shape
+    n, h_kv, _ = kv.shape
+    group = h_q // h_kv
+    out = np.zeros((s_q, h_q, HEAD_DIM_V))
+    lse = np.full((h_q, s_q), -np.inf)
+    for h in range(h_q):
+        k = kv[:, h // group, :]
+        for i in range(s_q):
+            visible = n - s_q + i + 1 if causal else n
+            if visible <= 0:
+                continue
+            s = softmax_scale * (k[:visible] @ q[i, h])
+            m = s.max()
+            p = np.exp(s - m)
+            out[i, h] = (p @ k[:visible, :HEAD_DIM_V]) / p.sum()
+            lse[h, i] = m + np.log(p.sum())
+    return out, lse
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    out: np.ndarray  # [s_q, h_q, 512] float32 (empty when the step failed)
+    lse: np.ndarray  # [h_q, s_q] float32
+    code: int  # google.rpc.Code, 0 = OK
+    message: str
+
+    @property
+    def ok(self):
+        return self.code == 0
+
+
+class LatentdClient:
+    """Connects to a latentd daemon and fetches its ServerInfo (model shape, dtype)."""
+
+    def __init__(self, target="127.0.0.1:50051", auth_token=None, tls=False, root_certificates=None,
+                 server_name=None, timeout=10.0, append_chunk_bytes=4 << 20):
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 64 << 20)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.stub = latentd_pb2_grpc.DecodeServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._chunk = append_chunk_bytes
+        self._ids = itertools.count(1)
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        self.info = self.get_info()
+
+    def close(self):
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # Shapes and wire conversion for this server.
+    @property
+    def h_q(self):
+        return self.info.num_heads_q
+
+    @property
+    def h_kv(self):
+        return self.info.num_heads_kv
+
+    def wire(self, array):
+        return to_wire(array, self.info.dtype)
+
+    def unwire(self, data, shape):
+        return from_wire(data, self.info.dtype, shape)
+
+    def _call(self, method, request):
+        try:
+            return method(request, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise LatentdError(e.code(), e.details()) from None
+
+    def get_info(self):
+        return self._call(self.stub.GetInfo, latentd_pb2.GetInfoRequest())
+
+    def health(self):
+        """'SERVING' or 'NOT_SERVING' (grpc.health.v1)."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest())
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def create_sequence(self, sequence_id=""):
+        return self._call(self.stub.CreateSequence,
+                          latentd_pb2.CreateSequenceRequest(sequence_id=sequence_id)).sequence_id
+
+    def fork_sequence(self, sequence_id, new_sequence_id=""):
+        req = latentd_pb2.ForkSequenceRequest(sequence_id=sequence_id, new_sequence_id=new_sequence_id)
+        return self._call(self.stub.ForkSequence, req).sequence_id
+
+    def release_sequence(self, sequence_id):
+        req = latentd_pb2.ReleaseSequenceRequest(sequence_id=sequence_id)
+        return self._call(self.stub.ReleaseSequence, req).pages_freed
+
+    def append_kv(self, sequence_id, rows_by_layer):
+        """Uploads prefill rows: {layer: array [n, h_kv, 576]} (float or raw bytes).
+
+        Returns the AppendKvResponse (tokens_appended, per-layer lengths).
+        """
+        row_bytes = self.h_kv * HEAD_DIM_QK * 2
+        chunk = max(row_bytes, self._chunk // row_bytes * row_bytes)
+
+        def messages():
+            first = True
+            for layer, rows in rows_by_layer.items():
+                data = rows if isinstance(rows, (bytes, bytearray)) else self.wire(rows)
+                for start in range(0, max(len(data), 1), chunk):
+                    yield latentd_pb2.AppendKvRequest(sequence_id=sequence_id if first else "", layer=layer,
+                                                      kv=bytes(data[start:start + chunk]))
+                    first = False
+
+        return self._call(self.stub.AppendKv, messages())
+
+    def open_session(self):
+        return DecodeSession(self)
+
+    def decode(self, steps):
+        """Runs steps on one Decode stream and returns their StepOutputs in order.
+
+        Each step is a dict: sequence_id, layer, q [s_q, h_q, 576], kv [s_q, h_kv, 576],
+        causal (optional). Failed steps have .code != 0 and a .message.
+        """
+        with self.open_session() as session:
+            ids = [session.submit(**s) for s in steps]
+            session.close_send()
+            got = {r.request_id: r for r in session.results()}
+        missing = [i for i in ids if i not in got]
+        if missing:
+            raise LatentdError(grpc.StatusCode.UNAVAILABLE, f"stream ended without results for {len(missing)} steps")
+        return [got[i] for i in ids]
+
+
+class DecodeSession:
+    """One Decode stream: submit() steps from one thread, iterate results() in another
+    (or after close_send()). Results may arrive in any order across sequences."""
+
+    _END = object()
+
+    def __init__(self, client):
+        self._client = client
+        self._requests = queue.Queue()
+        self._s_q = {}
+        self._lock = threading.Lock()
+        self._responses = client.stub.Decode(self._request_iter(), metadata=client._metadata)
+
+    def _request_iter(self):
+        while True:
+            item = self._requests.get()
+            if item is self._END:
+                return
+            yield item
+
+    def submit(self, sequence_id, layer, q, kv, causal=False, request_id=None, timeout_ms=0):
+        c = self._client
+        q_bytes = q if isinstance(q, (bytes, bytearray)) else c.wire(q)
+        kv_bytes = kv if isinstance(kv, (bytes, bytearray)) else c.wire(kv)
+        rid = next(c._ids) if request_id is None else request_id
+        with self._lock:
+            self._s_q[rid] = len(q_bytes) // (c.h_q * HEAD_DIM_QK * 2)
+        step = latentd_pb2.DecodeStep(request_id=rid, sequence_id=sequence_id, layer=layer, q=bytes(q_bytes),
+                                      kv=bytes(kv_bytes), causal=causal, timeout_ms=timeout_ms)
+        self._requests.put(latentd_pb2.DecodeRequest(steps=[step]))
+        return rid
+
+    def close_send(self):
+        self._requests.put(self._END)
+
+    def cancel(self):
+        self._responses.cancel()
+
+    def results(self):
+        """Yields StepOutput until the server ends the stream (raises LatentdError if it
+        ends with an error other than a cancellation requested here)."""
+        c = self._client
+        try:
+            for resp in self._responses:
+                for r in resp.results:
+                    with self._lock:
+                        s_q = self._s_q.pop(r.request_id, 1)
+                    if r.code == 0:
+                        out = c.unwire(r.out, (s_q, c.h_q, HEAD_DIM_V))
+                        lse = np.frombuffer(r.lse, dtype="<f4").reshape(c.h_q, s_q)
+                    else:
+                        out = np.zeros((0,), np.float32)
+                        lse = np.zeros((0,), np.float32)
+                    yield StepOutput(r.request_id, out, lse, r.code, r.message)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise LatentdError(e.code(), e.details()) from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close_send()
