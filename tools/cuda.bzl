@@ -79,7 +79,6 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
         name = name + "_ptxas_reports",
         srcs = reports,
         visibility = ["//visibility:public"],
-        target_compatible_with = _incompatible_without_cuda(),
         testonly = testonly,
     )
     native.cc_library(
