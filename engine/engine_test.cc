@@ -153,7 +153,9 @@ TEST_F(EngineTest, FifoUnderOverloadDoesNotStarve) {
   }
   for (size_t i = 0; i < hot_steps.size(); ++i) {
     EXPECT_TRUE(h.Check(*hot_steps[i], kExact));
-    if (i > 0) EXPECT_GT(hot_steps[i]->completion_rank, hot_steps[i - 1]->completion_rank);
+    if (i > 0) {
+      EXPECT_GT(hot_steps[i]->completion_rank, hot_steps[i - 1]->completion_rank);
+    }
   }
 }
 

@@ -170,11 +170,17 @@ int Harness::completed() const {
   kernels::CpuMlaDecoder oracle(1);  // one thread: never splits, like a batched engine call
   const auto st = oracle.Run(prm);
   if (!st.ok()) return ::testing::AssertionFailure() << "oracle: " << st.message;
+  // The GPU kernel rounds softmax probabilities to the 16-bit type before P @ V, an
+  // error of up to 2^-8 of each weight: with few keys it does not average out, so the
+  // tolerance carries a term scaled by the row's largest output.
+  std::vector<float> row_max(size_t(s_q) * h_q, 0.f);
+  for (size_t i = 0; i < out.size(); ++i)
+    row_max[i / kHeadDimV] = std::max(row_max[i / kHeadDimV], std::abs(kernels::HalfToFloat(model_.dtype, out[i])));
   for (size_t i = 0; i < out.size(); ++i) {
     const float got = kernels::HalfToFloat(model_.dtype, p.out[i]);
     const float want = kernels::HalfToFloat(model_.dtype, out[i]);
     const bool ok = exact ? p.out[i] == out[i]
-                          : std::abs(got - want) <= std::max(8e-4f, std::abs(want) * (2.f / 128));
+                          : std::abs(got - want) <= 8e-4f + std::abs(want) * (2.f / 128) + row_max[i / kHeadDimV] / 256;
     if (!ok)
       return ::testing::AssertionFailure() << "step " << p.step.request_id << " out[" << i << "] = " << got
                                            << ", oracle " << want << " (context " << len << ")";
