@@ -148,7 +148,7 @@ Comparison Compare(const Problem& pr, const std::vector<uint16_t>& out, const st
     const double err = std::abs(x - y);
     c.max_abs_out = std::max(c.max_abs_out, err);
     if (std::abs(y) > 1e-6) c.max_rel_out = std::max(c.max_rel_out, err / std::abs(y));
-    if (err > abs_tol && err > rel_tol * std::abs(y)) {
+    if (err > abs_tol + rel_tol * std::abs(y)) {
       if (c.ok) {
         std::ostringstream m;
         m << "out[" << e << "] = " << x << ", expected " << y;

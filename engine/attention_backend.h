@@ -1,0 +1,56 @@
+// The attention backends behind one interface: CUDA (planner, SM80 kernel and combine
+// on one stream, with the next batch's copies overlapping this one's compute) and CPU
+// (kernels/cpu). The scheduler drives them in three phases per batch.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/batch.h"
+#include "engine/engine.h"
+#include "engine/kv/manager.h"
+
+namespace latentd::engine {
+
+struct BackendOptions {
+  ModelConfig model;
+  int device = 0;
+  int max_batch_size = 64;
+  int max_batch_tokens = 1024;
+  int max_s_q = 8;
+  int cpu_threads = 0;
+  // Pool sizing, as in EngineOptions.
+  int64_t kv_pages = 0;
+  int64_t kv_bytes = 0;
+  double kv_memory_fraction = 0.0;
+};
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+
+  virtual std::string Name() const = 0;          // "cpu" or "cuda:<device name>"
+  virtual kv::KvStorage* storage() = 0;          // the KV pool's bytes
+  virtual const kv::KvCacheConfig& kv_config() const = 0;
+
+  // Phase 1, under the engine's KV lock: copy what the batch needs (q, new rows, block
+  // tables, seqlens) into this backend's staging for batch.slot. May mark entries failed.
+  virtual void Stage(Batch& batch) = 0;
+  // Phase 2, without locks: start (GPU) or run (CPU) the attention.
+  virtual void Launch(Batch& batch) = 0;
+  // Phase 3: wait for the batch, write each OK entry's out and lse into its step.
+  virtual void Finish(Batch& batch) = 0;
+};
+
+// kCpu always works; kCuda fails without a device or without CUDA support built in;
+// kAuto picks CUDA when a device is present.
+absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeBackend(BackendKind kind, const BackendOptions& options);
+
+absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCpuBackend(const BackendOptions& options);
+// Defined only when built with CUDA; elsewhere returns UNAVAILABLE.
+absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(const BackendOptions& options);
+bool CudaDevicePresent();
+
+}  // namespace latentd::engine

@@ -1,0 +1,70 @@
+// Shared helpers of the attention backends; see backend_common.h.
+#include "engine/backend_common.h"
+
+#include <algorithm>
+
+#include "kernels/params.h"
+
+namespace latentd::engine {
+
+int64_t PageBytes(const ModelConfig& model) {
+  return int64_t{model.num_layers} * kernels::kPageSize * model.num_heads_kv * kernels::kHeadDimQK *
+         kernels::DTypeBytes(model.dtype);
+}
+
+absl::StatusOr<int64_t> PoolPages(const BackendOptions& o, int64_t available_bytes) {
+  const int64_t page = PageBytes(o.model);
+  int64_t pages = 0;
+  if (o.kv_pages > 0) {
+    pages = o.kv_pages;
+  } else if (o.kv_bytes > 0) {
+    pages = o.kv_bytes / page;
+  } else if (o.kv_memory_fraction > 0) {
+    if (o.kv_memory_fraction > 1.0)
+      return absl::InvalidArgumentError("kv_memory_fraction: expected a value in (0, 1]");
+    pages = static_cast<int64_t>(o.kv_memory_fraction * static_cast<double>(available_bytes)) / page;
+  }
+  if (pages < 1)
+    return absl::InvalidArgumentError("kv pool: expected at least one page of " + std::to_string(page) +
+                                      " bytes from kv_pages, kv_bytes or kv_memory_fraction");
+  // Physical page ids (layer * pages + page) are int32 in the kernel's block table.
+  if (pages * o.model.num_layers > INT32_MAX)
+    return absl::InvalidArgumentError("kv pool: num_layers * pages must stay below 2^31");
+  return pages;
+}
+
+void GroupBatch(const Batch& batch, std::vector<int>* order, std::vector<LaunchGroup>* groups) {
+  order->clear();
+  groups->clear();
+  for (int i = 0; i < static_cast<int>(batch.entries.size()); ++i)
+    if (batch.entries[i].status.ok()) order->push_back(i);
+  // s_q = 1 makes the causal flag irrelevant: normalise so those steps share a launch.
+  auto key = [&](int i) {
+    const DecodeStep* s = batch.entries[i].step;
+    return std::make_pair(s->s_q, s->s_q > 1 && s->causal);
+  };
+  std::stable_sort(order->begin(), order->end(), [&](int a, int b) { return key(a) < key(b); });
+  int token = 0;
+  for (int k = 0; k < static_cast<int>(order->size()); ++k) {
+    const auto kk = key((*order)[k]);
+    if (groups->empty() || groups->back().s_q != kk.first || groups->back().causal != kk.second) {
+      LaunchGroup g;
+      g.s_q = kk.first;
+      g.causal = kk.second;
+      g.first_entry = k;
+      g.first_token = token;
+      groups->push_back(g);
+    }
+    ++groups->back().num_entries;
+    token += kk.first;
+  }
+}
+
+int MaxTablePages(const Batch& batch) {
+  int width = 1;
+  for (const auto& e : batch.entries)
+    if (e.status.ok()) width = std::max(width, e.table_pages);
+  return width;
+}
+
+}  // namespace latentd::engine

@@ -1,0 +1,306 @@
+// The CUDA attention backend: KV pool in device memory, one decode launch per group of
+// steps (planner on the host, SM80 kernel and combine from kernels/). Inputs travel in
+// one pinned host-to-device copy per batch on a copy stream, so the next batch's copy
+// overlaps this batch's compute; results come back into pinned memory. Two staging
+// slots, allocated once: nothing is allocated per step.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine/attention_backend.h"
+#include "engine/backend_common.h"
+#include "engine/cuda/scatter_rows.h"
+#include "engine/kv/cuda_storage.h"
+#include "kernels/mla_decode_cuda.h"
+
+namespace latentd::engine {
+namespace {
+
+using kernels::kHeadDimQK;
+using kernels::kHeadDimV;
+using kernels::kPageSize;
+
+absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+size_t AlignUp(size_t x) { return (x + 255) / 256 * 256; }
+
+class CudaBackend final : public AttentionBackend {
+ public:
+  ~CudaBackend() override {
+    cudaSetDevice(o_.device);
+    cudaStreamSynchronize(stream_);
+    storage_.reset();
+    for (auto& s : slots_) {
+      cudaFreeHost(s.host_in);
+      cudaFree(s.dev_in);
+      cudaFreeHost(s.host_out);
+      cudaFree(s.dev_out);
+      if (s.h2d_done) cudaEventDestroy(s.h2d_done);
+      if (s.done) cudaEventDestroy(s.done);
+    }
+    cudaFree(workspace_);
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init(const BackendOptions& o) {
+    o_ = o;
+    absl::Status st = CudaStatus(cudaSetDevice(o.device), "cudaSetDevice");
+    if (!st.ok()) return st;
+    kernels::Status ks = kernels::QueryDevice(o.device, &dev_);
+    if (!ks.ok()) return absl::InternalError("QueryDevice: " + ks.message);
+    name_ = absl::StrCat("cuda:", dev_.name);
+    if (!(st = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
+    if (!(st = CudaStatus(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
+
+    const int h_q = o.model.num_heads_q, T = o.max_batch_tokens, E = o.max_batch_size;
+    row_bytes_ = size_t(o.model.num_heads_kv) * kHeadDimQK * 2;
+    off_q_ = 0;
+    off_kv_ = AlignUp(off_q_ + size_t(T) * h_q * kHeadDimQK * 2);
+    off_dst_ = AlignUp(off_kv_ + size_t(T) * row_bytes_);
+    off_seqlens_ = AlignUp(off_dst_ + size_t(T) * sizeof(int64_t));
+    off_tables_ = AlignUp(off_seqlens_ + size_t(E) * sizeof(int32_t));
+    out_lse_bytes_ = AlignUp(size_t(T) * h_q * sizeof(float));
+    out_bytes_ = out_lse_bytes_ + size_t(T) * h_q * kHeadDimV * 2;
+    for (auto& s : slots_) {
+      if (!(st = GrowSlot(s, 256)).ok()) return st;
+      if (!(st = CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&s.host_out), out_bytes_, cudaHostAllocDefault),
+                            "cudaHostAlloc")).ok())
+        return st;
+      if (!(st = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&s.dev_out), out_bytes_), "cudaMalloc")).ok()) return st;
+      if (!(st = CudaStatus(cudaEventCreateWithFlags(&s.h2d_done, cudaEventDisableTiming), "event")).ok()) return st;
+      if (!(st = CudaStatus(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming), "event")).ok()) return st;
+      s.order.reserve(E);
+      s.groups.reserve(E);
+      s.plans.resize(E);
+    }
+    for (int s_q = 1; s_q <= o.max_s_q; ++s_q) {
+      const int b = std::max(1, std::min(E, T / s_q));
+      workspace_bytes_ = std::max(workspace_bytes_,
+                                  kernels::MaxDecodeWorkspaceBytes(dev_, b, s_q, h_q, o.model.num_heads_kv));
+    }
+    if (workspace_bytes_ > 0 &&
+        !(st = CudaStatus(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc workspace")).ok())
+      return st;
+
+    // The pool takes what the sizing asks for, from memory left after the buffers above.
+    size_t free_bytes = 0, total_bytes = 0;
+    if (!(st = CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo")).ok()) return st;
+    BackendOptions sized = o;
+    if (sized.kv_pages <= 0 && sized.kv_bytes <= 0 && sized.kv_memory_fraction <= 0) sized.kv_memory_fraction = 0.8;
+    auto pages = PoolPages(sized, static_cast<int64_t>(free_bytes));
+    if (!pages.ok()) return pages.status();
+    config_.num_layers = o.model.num_layers;
+    config_.num_heads_kv = o.model.num_heads_kv;
+    config_.num_pages = *pages;
+    config_.bytes_per_value = 2;
+    auto storage = kv::MakeCudaKvStorage(config_, o.device, stream_);
+    if (!storage.ok()) return storage.status();
+    storage_ = std::move(*storage);
+    return absl::OkStatus();
+  }
+
+  std::string Name() const override { return name_; }
+  kv::KvStorage* storage() override { return storage_.get(); }
+  const kv::KvCacheConfig& kv_config() const override { return config_; }
+
+  void Stage(Batch& batch) override {
+    Slot& s = slots_[batch.slot];
+    const int h_q = o_.model.num_heads_q;
+    GroupBatch(batch, &s.order, &s.groups);
+    s.width = MaxTablePages(batch);
+    if (s.width > s.table_capacity) {
+      absl::Status st = GrowSlot(s, std::max(s.width, 2 * s.table_capacity));
+      if (!st.ok()) {
+        for (auto& e : batch.entries)
+          if (e.status.ok()) e.status = st;
+        s.order.clear();
+        s.groups.clear();
+        return;
+      }
+    }
+    char* q = s.host_in + off_q_;
+    char* kv = s.host_in + off_kv_;
+    auto* dst = reinterpret_cast<int64_t*>(s.host_in + off_dst_);
+    auto* seqlens = reinterpret_cast<int32_t*>(s.host_in + off_seqlens_);
+    auto* tables = reinterpret_cast<int32_t*>(s.host_in + off_tables_);
+    int token = 0;
+    s.rows = 0;
+    for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
+      const BatchEntry& e = batch.entries[s.order[k]];
+      const DecodeStep& step = *e.step;
+      std::memcpy(q + size_t(token) * h_q * kHeadDimQK * 2, step.q.data(), step.q.size());
+      std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.data(), step.kv.size());
+      for (int r = 0; r < e.num_slots; ++r)
+        for (int t = 0; t < e.slots[r].n; ++t)
+          dst[s.rows++] = (e.page_offset + e.slots[r].page) * kPageSize + e.slots[r].row + t;
+      int32_t* row = tables + size_t(k) * s.width;
+      for (int j = 0; j < e.table_pages; ++j) row[j] = static_cast<int32_t>(e.table[j] + e.page_offset);
+      std::fill(row + e.table_pages, row + s.width, 0);
+      seqlens[k] = static_cast<int32_t>(e.seqlen);
+      token += step.s_q;
+    }
+    s.tokens = token;
+    s.in_bytes = off_tables_ + size_t(s.order.size()) * s.width * sizeof(int32_t);
+    // Plans come from the host copy of the seqlens, before anything is sent.
+    for (size_t g = 0; g < s.groups.size(); ++g) {
+      kernels::MlaDecodeParams p = GroupParams(s, s.groups[g], /*device=*/false);
+      kernels::Status ks = kernels::PlanDecode(dev_, p, seqlens + s.groups[g].first_entry, &s.plans[g]);
+      if (!ks.ok()) FailGroup(batch, s, s.groups[g], absl::InternalError("PlanDecode: " + ks.message));
+    }
+  }
+
+  void Launch(Batch& batch) override {
+    Slot& s = slots_[batch.slot];
+    s.launch_status = absl::OkStatus();
+    if (s.order.empty()) return;
+    cudaSetDevice(o_.device);
+    absl::Status st = CudaStatus(cudaMemcpyAsync(s.dev_in, s.host_in, s.in_bytes, cudaMemcpyHostToDevice, copy_stream_),
+                                 "inputs to device");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(s.h2d_done, copy_stream_), "event");
+    if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(stream_, s.h2d_done, 0), "wait");
+    if (st.ok())
+      st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRows(
+                          s.dev_in + off_kv_, reinterpret_cast<const int64_t*>(s.dev_in + off_dst_), s.rows,
+                          static_cast<int>(row_bytes_), storage_->base(), stream_)),
+                      "scatter new rows");
+    if (!st.ok()) {
+      s.launch_status = st;
+      return;
+    }
+    for (size_t g = 0; g < s.groups.size(); ++g) {
+      const LaunchGroup& grp = s.groups[g];
+      if (!batch.entries[s.order[grp.first_entry]].status.ok()) continue;  // planning failed
+      kernels::MlaDecodeParams p = GroupParams(s, grp, /*device=*/true);
+      kernels::Status ks = kernels::LaunchDecode(p, s.plans[g], workspace_, workspace_bytes_, stream_);
+      if (!ks.ok()) FailGroup(batch, s, grp, absl::InternalError("decode launch: " + ks.message));
+    }
+    const int h_q = o_.model.num_heads_q;
+    st = CudaStatus(cudaMemcpyAsync(s.host_out, s.dev_out, size_t(s.tokens) * h_q * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_),
+                    "lse to host");
+    if (st.ok())
+      st = CudaStatus(cudaMemcpyAsync(s.host_out + out_lse_bytes_, s.dev_out + out_lse_bytes_,
+                                      size_t(s.tokens) * h_q * kHeadDimV * 2, cudaMemcpyDeviceToHost, stream_),
+                      "out to host");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(s.done, stream_), "event");
+    s.launch_status = st;
+  }
+
+  void Finish(Batch& batch) override {
+    Slot& s = slots_[batch.slot];
+    if (s.order.empty()) return;
+    absl::Status st = s.launch_status;
+    if (st.ok()) st = CudaStatus(cudaEventSynchronize(s.done), "decode");
+    const int h_q = o_.model.num_heads_q;
+    int token = 0;
+    for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
+      BatchEntry& e = batch.entries[s.order[k]];
+      const int s_q = e.step->s_q;
+      if (!st.ok() && e.status.ok()) e.status = st;
+      if (e.status.ok()) {
+        std::memcpy(e.step->lse, s.host_out + size_t(token) * h_q * sizeof(float), size_t(s_q) * h_q * sizeof(float));
+        std::memcpy(e.step->out, s.host_out + out_lse_bytes_ + size_t(token) * h_q * kHeadDimV * 2,
+                    size_t(s_q) * h_q * kHeadDimV * 2);
+      }
+      token += s_q;
+    }
+  }
+
+ private:
+  struct Slot {
+    char* host_in = nullptr;  // pinned: q | new rows | destination rows | seqlens | block tables
+    char* dev_in = nullptr;
+    char* host_out = nullptr;  // pinned: lse | out
+    char* dev_out = nullptr;
+    int table_capacity = 0;  // block table width the slot can hold
+    cudaEvent_t h2d_done = nullptr, done = nullptr;
+    std::vector<int> order;
+    std::vector<LaunchGroup> groups;
+    std::vector<kernels::DecodePlan> plans;
+    int width = 1, rows = 0, tokens = 0;
+    size_t in_bytes = 0;
+    absl::Status launch_status;
+  };
+
+  // (Re)allocates a slot's input staging for block tables of `width` pages. Happens at
+  // start-up and when a sequence grows past every width seen before, never per step.
+  absl::Status GrowSlot(Slot& s, int width) {
+    const size_t bytes = off_tables_ + size_t(o_.max_batch_size) * width * sizeof(int32_t);
+    if (s.host_in) cudaFreeHost(s.host_in);
+    if (s.dev_in) cudaFree(s.dev_in);
+    s.host_in = s.dev_in = nullptr;
+    s.table_capacity = 0;
+    absl::Status st = CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&s.host_in), bytes, cudaHostAllocDefault),
+                                 "cudaHostAlloc staging");
+    if (st.ok()) st = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&s.dev_in), bytes), "cudaMalloc staging");
+    if (st.ok()) s.table_capacity = width;
+    return st;
+  }
+
+  kernels::MlaDecodeParams GroupParams(const Slot& s, const LaunchGroup& g, bool device) const {
+    const int h_q = o_.model.num_heads_q;
+    const char* in = device ? s.dev_in : s.host_in;
+    char* out = device ? s.dev_out : s.host_out;
+    kernels::MlaDecodeParams p;
+    p.dtype = o_.model.dtype;
+    p.batch = g.num_entries;
+    p.s_q = g.s_q;
+    p.h_q = h_q;
+    p.h_kv = o_.model.num_heads_kv;
+    p.num_pages = static_cast<int>(config_.num_pages * config_.num_layers);
+    p.max_pages_per_seq = s.width;
+    p.softmax_scale = o_.model.softmax_scale;
+    p.causal = g.causal;
+    kernels::SetContiguousStrides(&p);
+    p.q = in + off_q_ + size_t(g.first_token) * h_q * kHeadDimQK * 2;
+    p.kv = storage_->base();  // the planner validates pointers but reads none
+    p.block_table = reinterpret_cast<const int32_t*>(in + off_tables_) + size_t(g.first_entry) * s.width;
+    p.seqlens = reinterpret_cast<const int32_t*>(in + off_seqlens_) + g.first_entry;
+    p.lse = reinterpret_cast<float*>(out) + size_t(g.first_token) * h_q;
+    p.out = out + out_lse_bytes_ + size_t(g.first_token) * h_q * kHeadDimV * 2;
+    return p;
+  }
+
+  void FailGroup(Batch& batch, const Slot& s, const LaunchGroup& g, const absl::Status& st) {
+    for (int k = g.first_entry; k < g.first_entry + g.num_entries; ++k) batch.entries[s.order[k]].status = st;
+  }
+
+  BackendOptions o_;
+  kernels::DeviceInfo dev_;
+  std::string name_;
+  kv::KvCacheConfig config_;
+  std::unique_ptr<kv::KvStorage> storage_;
+  cudaStream_t stream_ = nullptr, copy_stream_ = nullptr;
+  Slot slots_[2];
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  size_t row_bytes_ = 0;
+  size_t off_q_ = 0, off_kv_ = 0, off_dst_ = 0, off_seqlens_ = 0, off_tables_ = 0;
+  size_t out_lse_bytes_ = 0, out_bytes_ = 0;
+};
+
+}  // namespace
+
+bool CudaDevicePresent() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaBackend(const BackendOptions& options) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return absl::UnavailableError("backend cuda: no CUDA device");
+  if (options.device < 0 || options.device >= n)
+    return absl::InvalidArgumentError(absl::StrCat("device: expected 0..", n - 1, ", got ", options.device));
+  auto backend = std::make_unique<CudaBackend>();
+  absl::Status st = backend->Init(options);
+  if (!st.ok()) return st;
+  return std::unique_ptr<AttentionBackend>(std::move(backend));
+}
+
+}  // namespace latentd::engine

@@ -1,0 +1,350 @@
+// Engine scenarios: batched results against the CPU oracle, order per sequence, mixed
+// layers and s_q in one batch, fairness under overload, backpressure, cancellation,
+// deadlines, pool exhaustion mid-run, draining. Built twice: on the CPU backend (CI,
+// bit-exact against the oracle) and on the CUDA backend (tag gpu, within tolerance).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "engine/engine.h"
+#include "engine/testing/engine_harness.h"
+
+namespace latentd::engine {
+namespace {
+
+using testing::Harness;
+
+#ifdef LATENTD_TEST_CUDA
+constexpr BackendKind kBackend = BackendKind::kCuda;
+constexpr bool kExact = false;
+#else
+constexpr BackendKind kBackend = BackendKind::kCpu;
+constexpr bool kExact = true;
+#endif
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#ifdef LATENTD_TEST_CUDA
+    if (!CudaPresent()) GTEST_SKIP() << "no CUDA device: skipping the CUDA backend scenarios";
+#endif
+  }
+  static bool CudaPresent() {
+    EngineOptions o;
+    o.backend = BackendKind::kCuda;
+    o.kv_pages = 8;
+    return Engine::Create(o).ok();
+  }
+
+  std::unique_ptr<Engine> Make(EngineOptions o) {
+    o.backend = kBackend;
+    if (o.kv_pages == 0) o.kv_pages = 256;
+    o.cpu_threads = 2;
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? std::move(*e) : nullptr;
+  }
+
+  static EngineOptions Model(int layers, int h_q, int h_kv = 1) {
+    EngineOptions o;
+    o.model.num_layers = layers;
+    o.model.num_heads_q = h_q;
+    o.model.num_heads_kv = h_kv;
+    return o;
+  }
+};
+
+TEST_F(EngineTest, ConcurrentStepsMatchOracle) {
+  EngineOptions o = Model(3, 16);
+  o.batch_window = absl::Milliseconds(2);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 11);
+  std::vector<std::string> seqs;
+  const int prefixes[] = {0, 1, 63, 64, 65, 200, 700};
+  for (int p : prefixes) seqs.push_back(h.NewSequence(p));
+  std::vector<Harness::Pending*> steps;
+  // Three rounds per sequence and layer, all in flight at once: order per (sequence,
+  // layer) must hold, and each round sees the rows of the rounds before it.
+  for (int round = 0; round < 3; ++round)
+    for (const auto& s : seqs)
+      for (int layer = 0; layer < 3; ++layer) {
+        auto* p = h.MakeStep(s, layer, 1, false);
+        ASSERT_TRUE(h.Submit(p).ok());
+        steps.push_back(p);
+      }
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+  const auto m = engine->Metrics();
+  EXPECT_EQ(m.steps_completed, steps.size());
+  EXPECT_LT(m.batches, steps.size()) << "steps were never batched together";
+}
+
+TEST_F(EngineTest, MixedLayersAndQueryLengthsInOneBatch) {
+  EngineOptions o = Model(2, 32, 2);
+  o.batch_window = absl::Milliseconds(20);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 12);
+  std::vector<Harness::Pending*> steps;
+  const std::string a = h.NewSequence(90), b = h.NewSequence(130), c = h.NewSequence(1);
+  h.HoldCallbacks(true);  // keep the first batch's completion waiting so the rest queue up
+  steps.push_back(h.MakeStep(a, 0, 1, false));
+  ASSERT_TRUE(h.Submit(steps.back()).ok());
+  for (auto [seq, layer, s_q, causal] : {std::tuple{a, 1, 2, true}, {b, 0, 2, false}, {b, 1, 1, false},
+                                         {c, 0, 4, true}, {c, 1, 3, false}, {a, 0, 2, true}}) {
+    steps.push_back(h.MakeStep(seq, layer, s_q, causal));
+    ASSERT_TRUE(h.Submit(steps.back()).ok());
+  }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+  const auto m = engine->Metrics();
+  uint64_t multi = 0;
+  for (size_t i = 1; i < m.batch_size_histogram.size(); ++i) multi += m.batch_size_histogram[i];
+  EXPECT_GT(multi, 0u) << "no batch held more than one step";
+}
+
+TEST_F(EngineTest, ForkedSequencesDiverge) {
+  auto engine = Make(Model(2, 16));
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 13);
+  const std::string parent = h.NewSequence(100);
+  const std::string child = h.Fork(parent);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 3; ++i)
+    for (const auto& s : {parent, child}) {
+      steps.push_back(h.MakeStep(s, i % 2, 1, false));
+      ASSERT_TRUE(h.Submit(steps.back()).ok());
+    }
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+}
+
+TEST_F(EngineTest, FifoUnderOverloadDoesNotStarve) {
+  EngineOptions o = Model(1, 16);
+  o.max_batch_size = 4;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 14);
+  const std::string hot = h.NewSequence(10);
+  std::vector<std::string> cold;
+  for (int i = 0; i < 6; ++i) cold.push_back(h.NewSequence(10));
+  h.HoldCallbacks(true);
+  // A hot sequence floods 40 steps (one per batch at most), then each cold sequence
+  // sends one: FIFO with at most one step per (sequence, layer) per batch means the
+  // cold steps complete long before the hot backlog.
+  std::vector<Harness::Pending*> hot_steps, cold_steps;
+  for (int i = 0; i < 40; ++i) {
+    hot_steps.push_back(h.MakeStep(hot, 0, 1, false));
+    ASSERT_TRUE(h.Submit(hot_steps.back()).ok());
+  }
+  for (const auto& s : cold) {
+    cold_steps.push_back(h.MakeStep(s, 0, 1, false));
+    ASSERT_TRUE(h.Submit(cold_steps.back()).ok());
+  }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : cold_steps) {
+    EXPECT_TRUE(h.Check(*p, kExact));
+    EXPECT_LT(p->completion_rank, 12) << "a cold step waited behind the hot sequence's backlog";
+  }
+  for (size_t i = 0; i < hot_steps.size(); ++i) {
+    EXPECT_TRUE(h.Check(*hot_steps[i], kExact));
+    if (i > 0) {
+      EXPECT_GT(hot_steps[i]->completion_rank, hot_steps[i - 1]->completion_rank);
+    }
+  }
+}
+
+TEST_F(EngineTest, BackpressureRefusesAtOnce) {
+  EngineOptions o = Model(1, 16);
+  o.max_queue = 8;
+  o.max_batch_size = 2;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 15);
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 40; ++i) seqs.push_back(h.NewSequence(5));
+  h.HoldCallbacks(true);  // the scheduler stalls in the first completion: the queue fills
+  int accepted = 0, refused = 0;
+  std::vector<Harness::Pending*> ok_steps;
+  for (const auto& s : seqs) {
+    auto* p = h.MakeStep(s, 0, 1, false);
+    const absl::Status st = h.Submit(p);
+    if (st.ok()) {
+      ++accepted;
+      ok_steps.push_back(p);
+    } else {
+      EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_LE(accepted, 8 + 2 * 2);  // queue capacity plus at most two batches taken out of it
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : ok_steps) EXPECT_TRUE(h.Check(*p, kExact));
+  EXPECT_EQ(engine->Metrics().rejected_queue_full, static_cast<uint64_t>(refused));
+}
+
+TEST_F(EngineTest, CancelledAndExpiredStepsAreDropped) {
+  EngineOptions o = Model(1, 16);
+  o.max_batch_size = 1;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 16);
+  const std::string a = h.NewSequence(20), b = h.NewSequence(20), c = h.NewSequence(20);
+  h.HoldCallbacks(true);
+  auto* first = h.MakeStep(a, 0, 1, false);
+  ASSERT_TRUE(h.Submit(first).ok());
+  auto* gone = h.MakeStep(b, 0, 1, false);
+  ASSERT_TRUE(h.Submit(gone).ok());
+  gone->cancelled.store(true);  // caller left before the step was launched
+  auto* late = h.MakeStep(c, 0, 1, false);
+  late->step.deadline = absl::Now() - absl::Seconds(1);
+  ASSERT_TRUE(h.Submit(late).ok());
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(h.Check(*first, kExact));
+  EXPECT_TRUE(absl::IsCancelled(gone->status)) << gone->status;
+  EXPECT_TRUE(absl::IsDeadlineExceeded(late->status)) << late->status;
+  // Dropped steps appended nothing: the next steps see only the prefix.
+  h.Rollback(gone);
+  h.Rollback(late);
+  auto* again_b = h.MakeStep(b, 0, 1, false);
+  auto* again_c = h.MakeStep(c, 0, 1, false);
+  ASSERT_TRUE(h.Submit(again_b).ok());
+  ASSERT_TRUE(h.Submit(again_c).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(h.Check(*again_b, kExact));
+  EXPECT_TRUE(h.Check(*again_c, kExact));
+  const auto m = engine->Metrics();
+  EXPECT_EQ(m.dropped_cancelled, 1u);
+  EXPECT_EQ(m.rejected_deadline, 1u);
+}
+
+TEST_F(EngineTest, PoolExhaustionFailsOnlyStepsThatNeedPages) {
+  EngineOptions o = Model(1, 16);
+  o.kv_pages = 4;
+  o.batch_window = absl::Milliseconds(5);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 17);
+  const std::string full = h.NewSequence(64);    // one page, full: its next row needs a page
+  const std::string roomy = h.NewSequence(10);   // room left in its page
+  const std::string hog = h.NewSequence(65);     // takes the last two pages
+  ASSERT_EQ(engine->Info().free_pages, 0);
+  auto* needs_page = h.MakeStep(full, 0, 1, false);
+  auto* fits = h.MakeStep(roomy, 0, 1, false);
+  auto* fits2 = h.MakeStep(hog, 0, 1, false);
+  ASSERT_TRUE(h.Submit(needs_page).ok());
+  ASSERT_TRUE(h.Submit(fits).ok());
+  ASSERT_TRUE(h.Submit(fits2).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(absl::IsResourceExhausted(needs_page->status)) << needs_page->status;
+  EXPECT_TRUE(h.Check(*fits, kExact));
+  EXPECT_TRUE(h.Check(*fits2, kExact));
+  h.Rollback(needs_page);
+  // Once pages come back, the same sequence steps again from where it was.
+  ASSERT_TRUE(engine->ReleaseSequence(hog).ok());
+  auto* retry = h.MakeStep(full, 0, 1, false);
+  ASSERT_TRUE(h.Submit(retry).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(h.Check(*retry, kExact));
+}
+
+TEST_F(EngineTest, BadStepsAreRefusedWithTheField) {
+  auto engine = Make(Model(2, 16));
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 18);
+  const std::string a = h.NewSequence(3);
+  auto* p = h.MakeStep(a, 0, 1, false);
+  p->step.q = absl::string_view(p->q).substr(0, 100);
+  absl::Status st = h.Submit(p);
+  EXPECT_TRUE(absl::IsInvalidArgument(st));
+  EXPECT_NE(st.message().find("q: expected 18432 bytes"), std::string::npos) << st;
+  p = h.MakeStep(a, 2, 1, false);
+  st = h.Submit(p);
+  EXPECT_TRUE(absl::IsInvalidArgument(st));
+  EXPECT_NE(st.message().find("layer: expected 0..1"), std::string::npos) << st;
+  p = h.MakeStep(a, 0, 1, false);
+  p->step.kv = absl::string_view(p->kv).substr(1);
+  st = h.Submit(p);
+  EXPECT_NE(st.message().find("kv: expected"), std::string::npos) << st;
+  // An unknown sequence fails through the callback, alone.
+  auto* unknown = h.MakeStep("no-such-sequence", 0, 1, false);
+  auto* good = h.MakeStep(a, 0, 1, false);
+  ASSERT_TRUE(h.Submit(unknown).ok());
+  ASSERT_TRUE(h.Submit(good).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(absl::IsNotFound(unknown->status)) << unknown->status;
+  EXPECT_TRUE(h.Check(*good, kExact));
+  // Control-plane errors.
+  EXPECT_TRUE(absl::IsAlreadyExists(engine->CreateSequence(a).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(engine->CreateSequence("bad id!").status()));
+  EXPECT_TRUE(absl::IsNotFound(engine->ReleaseSequence("nope").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(engine->AppendKv(a, 0, "odd").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(engine->AppendKv(a, 5, std::string(1152, 'x')).status()));
+}
+
+TEST_F(EngineTest, DrainFinishesAcceptedStepsThenRefuses) {
+  EngineOptions o = Model(1, 16);
+  o.max_batch_size = 2;
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 19);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 10; ++i) {
+    const std::string s = h.NewSequence(30 + i);
+    steps.push_back(h.MakeStep(s, 0, 1, false));
+    ASSERT_TRUE(h.Submit(steps.back()).ok());
+  }
+  EXPECT_TRUE(engine->Drain(absl::Seconds(60)));
+  EXPECT_EQ(h.completed(), 10);
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+  const std::string s = h.NewSequence(3);
+  auto* late = h.MakeStep(s, 0, 1, false);
+  EXPECT_TRUE(absl::IsUnavailable(h.Submit(late)));
+}
+
+TEST_F(EngineTest, IdleSequencesAreReleased) {
+  auto engine = Make(Model(1, 16));
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 20);
+  const std::string s = h.NewSequence(100);
+  const int64_t free_before = engine->Info().free_pages;
+  EXPECT_EQ(engine->ReleaseIdleSequences(absl::Hours(1)), 0);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(engine->ReleaseIdleSequences(absl::Milliseconds(10)), 1);
+  EXPECT_EQ(engine->Info().free_pages, free_before + 2);
+  EXPECT_TRUE(absl::IsNotFound(engine->ReleaseSequence(s).status()));
+}
+
+TEST_F(EngineTest, ManyThreadsSubmitting) {
+  EngineOptions o = Model(2, 16);
+  o.batch_window = absl::Microseconds(200);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  // One harness per thread: each thread owns its sequences and shadows.
+  constexpr int kThreads = 6;
+  std::vector<std::unique_ptr<Harness>> hs;
+  for (int t = 0; t < kThreads; ++t) hs.push_back(std::make_unique<Harness>(engine.get(), 100 + t));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      Harness& h = *hs[t];
+      const std::string s = h.NewSequence(50 + 30 * t);
+      for (int i = 0; i < 20; ++i) ASSERT_TRUE(h.Submit(h.MakeStep(s, i % 2, 1 + (i % 3 == 0), i % 2 == 0)).ok());
+      ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(engine->Metrics().steps_completed, uint64_t{kThreads} * 20);
+}
+
+}  // namespace
+}  // namespace latentd::engine

@@ -1,0 +1,436 @@
+// KvCacheManager: a free-list page allocator with reference counts, and the sequences
+// that hold pages through one block table shared by every layer.
+#include "engine/kv/manager.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace latentd::engine::kv {
+
+struct Sequence {
+  std::string id;
+  std::vector<int32_t> block_table;  // logical page ids
+  std::vector<int64_t> lengths;      // rows per layer
+  absl::Time last_used;
+};
+
+namespace {
+
+bool IsIdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+         c == '.' || c == '_' || c == ':' || c == '-';
+}
+
+// Client-supplied ids go into messages escaped and shortened, so a hostile id cannot
+// flood logs or inject control characters.
+std::string Quote(absl::string_view id) {
+  constexpr size_t kShown = 64;
+  std::string s = absl::StrCat("'", absl::CHexEscape(id.substr(0, kShown)), "'");
+  if (id.size() > kShown) absl::StrAppend(&s, "...");
+  return s;
+}
+
+absl::Status UnknownSequence(absl::string_view field, absl::string_view id) {
+  return absl::NotFoundError(absl::StrCat(field, ": unknown sequence ", Quote(id)));
+}
+
+// 128 bits from the kernel's CSPRNG: ids are capabilities (whoever knows one may
+// append to and release the sequence), so they must not be predictable.
+absl::StatusOr<std::string> RandomId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t r = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(
+          absl::StrCat("sequence_id: cannot read OS randomness: ", std::strerror(errno)));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+int64_t MaxLength(const std::vector<int64_t>& lengths) {
+  int64_t m = 0;
+  for (int64_t l : lengths) m = std::max(m, l);
+  return m;
+}
+
+int64_t MinLength(const std::vector<int64_t>& lengths) {
+  int64_t m = lengths.empty() ? 0 : lengths[0];
+  for (int64_t l : lengths) m = std::min(m, l);
+  return m;
+}
+
+absl::Status OutOfPages(int64_t need, int64_t free) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("kv cache: out of pages: need ", need, ", free ", free));
+}
+
+}  // namespace
+
+absl::Status ValidateSequenceId(absl::string_view id, absl::string_view field) {
+  if (id.empty() || id.size() > kMaxSequenceIdLength ||
+      !std::all_of(id.begin(), id.end(), IsIdChar)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": must be 1 to ", kMaxSequenceIdLength,
+        " characters of [A-Za-z0-9._:-], got ", Quote(id), " (", id.size(), " characters)"));
+  }
+  return absl::OkStatus();
+}
+
+KvCacheManager::KvCacheManager(const KvCacheConfig& config, KvStorage* storage)
+    : config_(config), storage_(storage) {
+  // Allocated once: the allocator never grows on the decode path.
+  refcount_.assign(static_cast<size_t>(config_.num_pages), 0);
+  free_list_.reserve(static_cast<size_t>(config_.num_pages));
+  // Highest id at the bottom so pages are handed out 0, 1, 2, ... from a fresh pool.
+  for (int64_t p = config_.num_pages - 1; p >= 0; --p) {
+    free_list_.push_back(static_cast<int32_t>(p));
+  }
+}
+
+KvCacheManager::~KvCacheManager() = default;
+
+absl::StatusOr<std::string> KvCacheManager::NewId(absl::string_view requested,
+                                                  absl::string_view field) {
+  if (!requested.empty()) {
+    if (absl::Status s = ValidateSequenceId(requested, field); !s.ok()) return s;
+    if (sequences_.contains(requested)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat(field, ": sequence ", Quote(requested), " already exists"));
+    }
+    return std::string(requested);
+  }
+  // A collision among 2^128 values means the randomness is broken; a few tries tell
+  // that apart from bad luck.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    absl::StatusOr<std::string> id = RandomId();
+    if (!id.ok()) return id.status();
+    if (!sequences_.contains(*id)) return id;
+  }
+  return absl::InternalError(absl::StrCat(field, ": generated ids keep colliding"));
+}
+
+absl::StatusOr<Sequence*> KvCacheManager::CreateSequence(absl::string_view id) {
+  absl::StatusOr<std::string> new_id = NewId(id, "sequence_id");
+  if (!new_id.ok()) return new_id.status();
+  auto seq = std::make_unique<Sequence>();
+  seq->id = *std::move(new_id);
+  seq->lengths.assign(config_.num_layers, 0);
+  seq->last_used = absl::Now();
+  Sequence* raw = seq.get();
+  sequences_.emplace(raw->id, std::move(seq));
+  return raw;
+}
+
+Sequence* KvCacheManager::Find(absl::string_view id) {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? nullptr : it->second.get();
+}
+
+const Sequence* KvCacheManager::Find(absl::string_view id) const {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? nullptr : it->second.get();
+}
+
+int32_t KvCacheManager::AllocPage() {
+  int32_t page = free_list_.back();
+  free_list_.pop_back();
+  refcount_[page] = 1;
+  high_water_ = std::max(high_water_, config_.num_pages - free_pages());
+  return page;
+}
+
+bool KvCacheManager::Unref(int32_t page) {
+  if (--refcount_[page] > 0) return false;
+  free_list_.push_back(page);
+  return true;
+}
+
+absl::StatusOr<Sequence*> KvCacheManager::Fork(absl::string_view id,
+                                               absl::string_view new_id) {
+  const Sequence* src = Find(id);
+  if (src == nullptr) return UnknownSequence("sequence_id", id);
+  absl::StatusOr<std::string> fork_id = NewId(new_id, "new_sequence_id");
+  if (!fork_id.ok()) return fork_id.status();
+
+  // A page is shared only when every layer has filled it: then neither sequence writes
+  // into it again. The rest of the table (the tail some layer is still filling) is
+  // copied.
+  const size_t table_size = src->block_table.size();
+  const size_t shared = static_cast<size_t>(MinLength(src->lengths) / kPageSize);
+  const int64_t copies = static_cast<int64_t>(table_size - shared);
+  if (copies > free_pages()) return OutOfPages(copies, free_pages());
+
+  auto seq = std::make_unique<Sequence>();
+  seq->id = *std::move(fork_id);
+  seq->lengths = src->lengths;
+  seq->last_used = src->last_used;
+  seq->block_table.reserve(src->block_table.capacity());
+  for (size_t i = 0; i < table_size; ++i) {
+    const int32_t page = src->block_table[i];
+    if (i < shared) {
+      ++refcount_[page];
+      seq->block_table.push_back(page);
+      continue;
+    }
+    const int32_t copy = AllocPage();
+    seq->block_table.push_back(copy);
+    if (storage_ == nullptr) continue;
+    if (absl::Status s = storage_->CopyPage(page, copy); !s.ok()) {
+      for (int32_t p : seq->block_table) Unref(p);
+      return s;
+    }
+  }
+  Sequence* raw = seq.get();
+  sequences_.emplace(raw->id, std::move(seq));
+  return raw;
+}
+
+absl::StatusOr<int64_t> KvCacheManager::Release(absl::string_view id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return UnknownSequence("sequence_id", id);
+  int64_t freed = 0;
+  for (int32_t page : it->second->block_table) freed += Unref(page) ? 1 : 0;
+  sequences_.erase(it);
+  return freed;
+}
+
+absl::Status KvCacheManager::CheckAppend(const Sequence* seq, int layer, int n) const {
+  if (seq == nullptr) return absl::InvalidArgumentError("sequence: null");
+  if (layer < 0 || layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " is out of range [0, ", config_.num_layers, ")"));
+  }
+  if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("n: must be positive, got ", n));
+  // An append no amount of freeing could satisfy is a bad request, not a full cache.
+  const int64_t new_length = seq->lengths[layer] + n;
+  if (PagesForTokens(new_length) > config_.num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "n: ", n, " rows would make layer ", layer, " ", new_length,
+        " tokens long; the whole cache holds ", config_.num_pages * kPageSize));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::PreparePages(Sequence* seq, int layer, int n) {
+  const int64_t length = seq->lengths[layer];
+  const int64_t first = length / kPageSize;               // first page written
+  const int64_t end = PagesForTokens(length + n);         // one past the last
+  const int64_t present = static_cast<int64_t>(seq->block_table.size());
+
+  // Count everything first so running out changes nothing.
+  int64_t need = std::max<int64_t>(0, end - present);
+  for (int64_t i = first; i < std::min(end, present); ++i) {
+    if (refcount_[seq->block_table[i]] > 1) ++need;
+  }
+  if (need > free_pages()) return OutOfPages(need, free_pages());
+
+  // Copy-on-write. A copy leaves the sequence's contents as they were, so one that
+  // succeeded before a later storage failure needs no undoing.
+  for (int64_t i = first; i < std::min(end, present); ++i) {
+    const int32_t old_page = seq->block_table[i];
+    if (refcount_[old_page] == 1) continue;
+    const int32_t copy = AllocPage();
+    if (storage_ != nullptr) {
+      if (absl::Status s = storage_->CopyPage(old_page, copy); !s.ok()) {
+        Unref(copy);
+        return s;
+      }
+    }
+    seq->block_table[i] = copy;
+    Unref(old_page);
+  }
+  if (end > present) {
+    // Grow geometrically so a long decode reallocates the table O(log n) times.
+    if (static_cast<size_t>(end) > seq->block_table.capacity()) {
+      seq->block_table.reserve(std::max<size_t>(static_cast<size_t>(end),
+                                                2 * seq->block_table.capacity()));
+    }
+    for (int64_t i = present; i < end; ++i) seq->block_table.push_back(AllocPage());
+  }
+  return absl::OkStatus();
+}
+
+void KvCacheManager::TrimTable(Sequence* seq) {
+  const size_t needed = static_cast<size_t>(PagesForTokens(MaxLength(seq->lengths)));
+  while (seq->block_table.size() > needed) {
+    Unref(seq->block_table.back());
+    seq->block_table.pop_back();
+  }
+}
+
+absl::Status KvCacheManager::Append(Sequence* seq, int layer, const void* rows, int n) {
+  if (absl::Status s = CheckAppend(seq, layer, n); !s.ok()) return s;
+  if (rows == nullptr) return absl::InvalidArgumentError("rows: null");
+  if (storage_ == nullptr) {
+    return absl::FailedPreconditionError("kv cache: Append needs a storage");
+  }
+  if (absl::Status s = PreparePages(seq, layer, n); !s.ok()) return s;
+
+  const char* src = static_cast<const char*>(rows);
+  int64_t pos = seq->lengths[layer];
+  int left = n;
+  while (left > 0) {
+    const int row = static_cast<int>(pos % kPageSize);
+    const int run = std::min(left, kPageSize - row);
+    const int32_t page = seq->block_table[pos / kPageSize];
+    if (absl::Status s = storage_->WriteRows(layer, page, row, run, src); !s.ok()) {
+      TrimTable(seq);  // gives back the pages this append added
+      return s;
+    }
+    src += run * config_.row_bytes();
+    pos += run;
+    left -= run;
+  }
+  seq->lengths[layer] = pos;
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::ReserveAppend(Sequence* seq, int layer, int n,
+                                           AppendSlot* slots, int* num_slots) {
+  if (absl::Status s = CheckAppend(seq, layer, n); !s.ok()) return s;
+  if (slots == nullptr || num_slots == nullptr) {
+    return absl::InvalidArgumentError("slots: null");
+  }
+  if (absl::Status s = PreparePages(seq, layer, n); !s.ok()) return s;
+
+  int64_t pos = seq->lengths[layer];
+  int left = n;
+  int count = 0;
+  while (left > 0) {
+    const int row = static_cast<int>(pos % kPageSize);
+    const int run = std::min(left, kPageSize - row);
+    slots[count++] = AppendSlot{seq->block_table[pos / kPageSize], row, run};
+    pos += run;
+    left -= run;
+  }
+  seq->lengths[layer] = pos;
+  *num_slots = count;
+  return absl::OkStatus();
+}
+
+void KvCacheManager::TruncateLayer(Sequence* seq, int layer, int64_t new_length) {
+  if (seq == nullptr || layer < 0 || layer >= config_.num_layers) return;
+  int64_t& length = seq->lengths[layer];
+  length = std::clamp<int64_t>(new_length, 0, length);
+  TrimTable(seq);
+}
+
+const std::vector<int32_t>& KvCacheManager::BlockTable(const Sequence* seq) const {
+  return seq->block_table;
+}
+
+int64_t KvCacheManager::Length(const Sequence* seq, int layer) const {
+  if (layer < 0 || layer >= config_.num_layers) return 0;
+  return seq->lengths[layer];
+}
+
+const std::vector<int64_t>& KvCacheManager::Lengths(const Sequence* seq) const {
+  return seq->lengths;
+}
+
+const std::string& KvCacheManager::Id(const Sequence* seq) const { return seq->id; }
+
+int64_t KvCacheManager::PagesOf(const Sequence* seq) const {
+  return static_cast<int64_t>(seq->block_table.size());
+}
+
+absl::Time KvCacheManager::LastUsed(const Sequence* seq) const { return seq->last_used; }
+
+void KvCacheManager::Touch(Sequence* seq, absl::Time now) { seq->last_used = now; }
+
+std::vector<std::string> KvCacheManager::IdleSequences(absl::Time cutoff) const {
+  std::vector<std::string> ids;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq->last_used < cutoff) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+KvCacheManager::Stats KvCacheManager::GetStats() const {
+  Stats s;
+  s.total_pages = config_.num_pages;
+  s.free_pages = free_pages();
+  s.used_pages = s.total_pages - s.free_pages;
+  s.high_water_pages = high_water_;
+  s.sequences = static_cast<int64_t>(sequences_.size());
+  return s;
+}
+
+int32_t KvCacheManager::RefCount(int32_t page) const {
+  if (page < 0 || page >= config_.num_pages) return 0;
+  return refcount_[page];
+}
+
+absl::Status KvCacheManager::CheckConsistency() const {
+  std::vector<int32_t> refs(refcount_.size(), 0);
+  for (const auto& [id, seq] : sequences_) {
+    if (seq->id != id) {
+      return absl::InternalError(absl::StrCat("sequence ", Quote(id), " is keyed wrongly"));
+    }
+    if (seq->lengths.size() != static_cast<size_t>(config_.num_layers)) {
+      return absl::InternalError(absl::StrCat("sequence ", Quote(id), " has ",
+                                              seq->lengths.size(), " layer lengths"));
+    }
+    for (int64_t l : seq->lengths) {
+      if (l < 0) return absl::InternalError(absl::StrCat("sequence ", Quote(id), ": length ", l));
+    }
+    const int64_t want = PagesForTokens(MaxLength(seq->lengths));
+    if (static_cast<int64_t>(seq->block_table.size()) != want) {
+      return absl::InternalError(absl::StrCat("sequence ", Quote(id), " holds ",
+                                              seq->block_table.size(), " pages, needs ", want));
+    }
+    for (int32_t page : seq->block_table) {
+      if (page < 0 || page >= config_.num_pages) {
+        return absl::InternalError(
+            absl::StrCat("sequence ", Quote(id), " holds out-of-range page ", page));
+      }
+      ++refs[page];
+    }
+  }
+  int64_t used = 0;
+  for (size_t p = 0; p < refs.size(); ++p) {
+    if (refs[p] != refcount_[p]) {
+      return absl::InternalError(absl::StrCat("page ", p, ": refcount ", refcount_[p],
+                                              " but ", refs[p], " table references"));
+    }
+    if (refs[p] > 0) ++used;
+  }
+  std::vector<bool> on_free_list(refcount_.size(), false);
+  for (int32_t page : free_list_) {
+    if (page < 0 || page >= config_.num_pages) {
+      return absl::InternalError(absl::StrCat("free list holds out-of-range page ", page));
+    }
+    if (on_free_list[page]) {
+      return absl::InternalError(absl::StrCat("page ", page, " is on the free list twice"));
+    }
+    if (refcount_[page] != 0) {
+      return absl::InternalError(
+          absl::StrCat("page ", page, " is on the free list with refcount ", refcount_[page]));
+    }
+    on_free_list[page] = true;
+  }
+  if (used + free_pages() != config_.num_pages) {
+    return absl::InternalError(absl::StrCat(used, " used + ", free_pages(),
+                                            " free pages != ", config_.num_pages, " total"));
+  }
+  if (high_water_ < used || high_water_ > config_.num_pages) {
+    return absl::InternalError(
+        absl::StrCat("high water ", high_water_, " outside [", used, ", ", config_.num_pages, "]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace latentd::engine::kv

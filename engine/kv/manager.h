@@ -1,0 +1,134 @@
+// Sequences and the pages they own: per-layer lengths, one block table shared by the
+// layers, reference-counted pages with copy-on-write forks, and all-or-nothing appends.
+// Bookkeeping only (bytes go through KvStorage); not thread-safe: the engine serialises.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "engine/kv/config.h"
+#include "engine/kv/storage.h"
+
+namespace latentd::engine::kv {
+
+// One sequence's state. Opaque: read it through KvCacheManager. The pointer stays valid
+// until the sequence is released.
+struct Sequence;
+
+// A contiguous run of rows inside one logical page.
+struct AppendSlot {
+  int32_t page = 0;  // logical page id (add config.PageOffset(layer) for the storage page)
+  int row = 0;       // first row in the page
+  int n = 0;         // rows
+};
+
+// Sequence ids: 1 to 128 characters of [A-Za-z0-9._:-].
+inline constexpr int kMaxSequenceIdLength = 128;
+absl::Status ValidateSequenceId(absl::string_view id, absl::string_view field = "sequence_id");
+
+class KvCacheManager {
+ public:
+  // `storage` may be null for pure bookkeeping: page copies are then skipped and Append
+  // fails with FAILED_PRECONDITION. `config` must be valid (KvCacheConfig::Validate) and
+  // match the storage's.
+  KvCacheManager(const KvCacheConfig& config, KvStorage* storage);
+  ~KvCacheManager();
+  KvCacheManager(const KvCacheManager&) = delete;
+  KvCacheManager& operator=(const KvCacheManager&) = delete;
+
+  const KvCacheConfig& config() const { return config_; }
+  KvStorage* storage() const { return storage_; }
+
+  // "" makes an unguessable id (128 random bits from the OS, as 32 hex digits).
+  // ALREADY_EXISTS for a taken id, INVALID_ARGUMENT for a malformed one. Holds no pages
+  // until the first append.
+  absl::StatusOr<Sequence*> CreateSequence(absl::string_view id);
+  // nullptr if unknown.
+  Sequence* Find(absl::string_view id);
+  const Sequence* Find(absl::string_view id) const;
+  // A new sequence with the same lengths and rows. Pages that every layer has filled
+  // are shared; the others (the partly filled tail) are copied, so neither sequence
+  // ever writes into a shared page. NOT_FOUND for an unknown id; new_id as in
+  // CreateSequence (field "new_sequence_id"); RESOURCE_EXHAUSTED when the copies do not
+  // fit, changing nothing.
+  absl::StatusOr<Sequence*> Fork(absl::string_view id, absl::string_view new_id);
+  // Drops the sequence; returns the pages actually freed (those no fork still holds).
+  absl::StatusOr<int64_t> Release(absl::string_view id);
+
+  // Appends n rows (n * row_bytes of host memory) to one layer, through the storage.
+  // All or nothing: RESOURCE_EXHAUSTED ("kv cache: out of pages: need X, free Y") and
+  // no change when pages run out. A shared page about to be written is copied first.
+  absl::Status Append(Sequence* seq, int layer, const void* rows, int n);
+  // The decode path's two-phase append: reserves the pages (copy-on-write included),
+  // commits the new length and writes into `slots` where the rows go, in order; the
+  // backend writes the rows itself (for example one device scatter for the batch).
+  // `slots` must hold MaxAppendSlots(n) entries. Allocates nothing beyond amortised
+  // growth of the sequence's block table.
+  absl::Status ReserveAppend(Sequence* seq, int layer, int n, AppendSlot* slots,
+                             int* num_slots);
+  static constexpr int MaxAppendSlots(int n) { return n / kPageSize + 2; }
+  // Sets a layer's length back to new_length (clamped to [0, Length]), freeing pages no
+  // layer needs any more; undoes a ReserveAppend whose step failed. Rows past the new
+  // length are garbage and later appends overwrite them.
+  void TruncateLayer(Sequence* seq, int layer, int64_t new_length);
+
+  // Logical page ids, shared by every layer: layer l's storage pages are these plus
+  // config().PageOffset(l). Its size is ceil(max layer length / 64).
+  const std::vector<int32_t>& BlockTable(const Sequence* seq) const;
+  int64_t Length(const Sequence* seq, int layer) const;
+  const std::vector<int64_t>& Lengths(const Sequence* seq) const;
+  const std::string& Id(const Sequence* seq) const;
+  int64_t PagesOf(const Sequence* seq) const;
+
+  // For idle-TTL release. New sequences are stamped with absl::Now(); the manager reads
+  // the clock nowhere else, so callers Touch on use.
+  absl::Time LastUsed(const Sequence* seq) const;
+  void Touch(Sequence* seq, absl::Time now);
+  // Ids of sequences last used before `cutoff`.
+  std::vector<std::string> IdleSequences(absl::Time cutoff) const;
+
+  struct Stats {
+    int64_t total_pages = 0;
+    int64_t free_pages = 0;
+    int64_t used_pages = 0;
+    int64_t high_water_pages = 0;  // most pages ever used at once
+    int64_t sequences = 0;
+  };
+  Stats GetStats() const;
+  int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
+  // References to a logical page (0 = free). For tests and debugging.
+  int32_t RefCount(int32_t page) const;
+
+  // Recomputes everything derivable and compares: reference counts equal the
+  // references from block tables, the free list holds each unreferenced page exactly
+  // once, table sizes match lengths. INTERNAL with the first mismatch.
+  absl::Status CheckConsistency() const;
+
+ private:
+  absl::StatusOr<std::string> NewId(absl::string_view requested, absl::string_view field);
+  absl::Status CheckAppend(const Sequence* seq, int layer, int n) const;
+  // Makes the pages for rows [Length, Length + n) of `layer` present and private to
+  // `seq`: copies shared ones, appends fresh ones. All or nothing for running out.
+  absl::Status PreparePages(Sequence* seq, int layer, int n);
+  // Drops table entries past what the longest layer needs.
+  void TrimTable(Sequence* seq);
+  int32_t AllocPage();
+  // Drops one reference; returns true when the page became free.
+  bool Unref(int32_t page);
+
+  const KvCacheConfig config_;
+  KvStorage* const storage_;
+  std::vector<int32_t> refcount_;   // per logical page
+  std::vector<int32_t> free_list_;  // stack of free page ids
+  int64_t high_water_ = 0;
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_;
+};
+
+}  // namespace latentd::engine::kv

@@ -1,0 +1,48 @@
+// Where the KV cache's bytes live, apart from the bookkeeping that decides which page
+// a row goes to. One tensor [L * num_pages, 64, h_kv, 576] allocated once; the host
+// implementation here backs the CPU engine and the tests (device memory: cuda_storage.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/kv/config.h"
+
+namespace latentd::engine::kv {
+
+class KvStorage {
+ public:
+  virtual ~KvStorage() = default;
+
+  virtual const KvCacheConfig& config() const = 0;
+  // The tensor [L * num_pages, 64, h_kv, 576]: host or device memory, per implementation.
+  virtual void* base() = 0;
+  // Copies n rows from host memory `src` (contiguous, n * row_bytes) into rows
+  // [row, row + n) of `layer` in logical page `page`; the rows must stay inside the page.
+  virtual absl::Status WriteRows(int layer, int32_t page, int row, int n,
+                                 const void* src) = 0;
+  // The reverse, into host memory `dst`; complete when it returns. For tests and
+  // debugging.
+  virtual absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) = 0;
+  // Copies logical page `src_page` onto `dst_page` in every layer (copy-on-write).
+  virtual absl::Status CopyPage(int32_t src_page, int32_t dst_page) = 0;
+  // Waits until every write and copy issued so far has landed (no-op on the host).
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
+};
+
+// Checks the arguments of WriteRows / ReadRows against `config`; the message names the
+// argument. Shared by the implementations so they reject the same things.
+absl::Status CheckRowRange(const KvCacheConfig& config, int layer, int32_t page, int row,
+                           int n, const void* buffer);
+absl::Status CheckPagePair(const KvCacheConfig& config, int32_t src_page, int32_t dst_page);
+
+// Host memory, allocated and zeroed once (so the pool is committed up front rather than
+// failing on first touch). RESOURCE_EXHAUSTED when the allocation fails.
+absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig& config);
+
+// Physical RAM in bytes, for sizing the host pool from a fraction.
+absl::StatusOr<int64_t> PhysicalMemoryBytes();
+
+}  // namespace latentd::engine::kv

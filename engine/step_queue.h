@@ -1,0 +1,58 @@
+// A bounded multi-producer queue of decode steps, sharded so that submitters of
+// different sequences never contend on one lock. The scheduler drains every shard;
+// arrival numbers restore FIFO order across shards.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/engine.h"
+
+namespace latentd::engine {
+
+class StepQueue {
+ public:
+  // capacity: steps queued at once over all shards; pushes beyond it fail at once.
+  StepQueue(int capacity, int num_shards = 16);
+
+  // Never blocks on the consumer. RESOURCE_EXHAUSTED when full.
+  absl::Status Push(DecodeStep* step, uint64_t shard_key);
+
+  // Moves every queued step into out (appended), ordered by arrival. Returns the count.
+  int DrainInto(std::vector<DecodeStep*>* out);
+
+  // Blocks until a push happens or the deadline passes; returns true if steps are queued.
+  bool WaitForWork(absl::Time deadline);
+  void Wake();  // wakes a waiting consumer (shutdown)
+
+  int64_t size() const { return size_.load(std::memory_order_relaxed); }
+  int capacity() const { return capacity_; }
+
+  // Arrival number of a step pushed through this queue.
+  static uint64_t Arrival(const DecodeStep* step);
+
+ private:
+  struct Shard {
+    absl::Mutex mu;
+    std::vector<DecodeStep*> ring ABSL_GUARDED_BY(mu);
+    size_t head ABSL_GUARDED_BY(mu) = 0;
+    size_t count ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  const int capacity_;
+  std::vector<Shard> shards_;
+  std::atomic<int64_t> size_{0};
+  std::atomic<uint64_t> next_arrival_{1};
+
+  // The consumer sleeps here only when every shard is empty.
+  absl::Mutex wake_mu_;
+  absl::CondVar wake_cv_;
+  std::atomic<bool> consumer_waiting_{false};
+  bool woken_ ABSL_GUARDED_BY(wake_mu_) = false;
+};
+
+}  // namespace latentd::engine

@@ -1,0 +1,365 @@
+// Host side of the SM80 MLA decode: device query, tile choice, split-K planner from
+// host seqlens and measured occupancy, workspace sizing, launches and dispatch.
+// Host code only (compiled by nvcc so that it links with the kernel objects).
+#include "kernels/mla_decode_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <string>
+
+#include "kernels/sm80/config.h"
+#include "kernels/sm80/launch.h"
+
+namespace latentd::kernels {
+namespace {
+
+using sm80::DecodeArgs;
+using sm80::Decoder;
+
+Status CudaStatus(cudaError_t e, const char* what) {
+  return {Code::kCudaError, std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
+}
+
+int TileIndex(int tile_rows) { return tile_rows == 16 ? 0 : tile_rows == 32 ? 1 : -1; }
+
+// Tile choice by the rows sharing one KV head (heads per KV head x query tokens).
+int ChooseTileRows(const MlaDecodeParams& p) {
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+  return rows <= 16 ? 16 : 32;
+}
+
+const void* KernelOf(DType dtype, int tile_rows) {
+  switch (dtype) {
+    case DType::kBF16:
+      switch (tile_rows) {
+        case 16:
+          return Decoder<DType::kBF16, 16>::Kernel();
+        case 32:
+          return Decoder<DType::kBF16, 32>::Kernel();
+        default:
+          return nullptr;
+      }
+    case DType::kFP16:
+      switch (tile_rows) {
+        case 16:
+          return Decoder<DType::kFP16, 16>::Kernel();
+        case 32:
+          return Decoder<DType::kFP16, 32>::Kernel();
+        default:
+          return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+int SmemOf(int tile_rows) {
+  switch (tile_rows) {
+    case 16:
+      return Decoder<DType::kBF16, 16>::SmemBytes();
+    case 32:
+      return Decoder<DType::kBF16, 32>::SmemBytes();
+    default:
+      return 0;
+  }
+}
+
+cudaError_t PrepareKernel(DType dtype, int tile_rows) {
+  switch (dtype) {
+    case DType::kBF16:
+      switch (tile_rows) {
+        case 16:
+          return Decoder<DType::kBF16, 16>::Prepare();
+        case 32:
+          return Decoder<DType::kBF16, 32>::Prepare();
+        default:
+          return cudaErrorInvalidValue;
+      }
+    case DType::kFP16:
+      switch (tile_rows) {
+        case 16:
+          return Decoder<DType::kFP16, 16>::Prepare();
+        case 32:
+          return Decoder<DType::kFP16, 32>::Prepare();
+        default:
+          return cudaErrorInvalidValue;
+      }
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Switches to `device` for the duration of a scope when it is not already current.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+  cudaError_t err_ = cudaSuccess;
+};
+
+// Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy
+// calculator; cached so that planning costs no driver call after the first.
+constexpr int kMaxCachedDevices = 64;
+std::atomic<int> g_occupancy[kMaxCachedDevices][2][2];
+
+Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
+  const int ti = TileIndex(tile_rows);
+  const int di = static_cast<int>(dtype);
+  if (ti < 0 || (di != 0 && di != 1)) return {Code::kUnsupported, "no kernel for this tile/dtype"};
+  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
+  if (cacheable) {
+    const int v = g_occupancy[device][di][ti].load(std::memory_order_relaxed);
+    if (v > 0) {
+      *ctas = v;
+      return Status::Ok();
+    }
+  }
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return CudaStatus(scope.error(), "cudaSetDevice");
+  cudaError_t e = PrepareKernel(dtype, tile_rows);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
+  int n = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), sm80::kThreads,
+                                                    SmemOf(tile_rows));
+  if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (n < 1) return {Code::kUnsupported, "decode kernel does not fit on this device"};
+  if (cacheable) g_occupancy[device][di][ti].store(n, std::memory_order_relaxed);
+  *ctas = n;
+  return Status::Ok();
+}
+
+// Fewest keys worth a partition of its own: below this the prologue (Q load, pipeline
+// fill) and the combine row cost more than the keys' streaming time.
+constexpr int kMinKeysPerSplit = 128;
+
+int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
+
+// Partitions per sequence: fill the device's resident CTA slots once, never more than
+// one wave, and never below kMinKeysPerSplit keys each.
+void ChooseSplits(int slots, int streams, int max_len, int* num_splits, int* keys_per_split) {
+  const int target = std::max(1, slots / std::max(1, streams));
+  const int by_len = std::max(1, (max_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  int splits = std::min(target, by_len);
+  int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kPageSize);
+  splits = std::max(1, (max_len + kps - 1) / kps);
+  *num_splits = splits;
+  *keys_per_split = kps;
+}
+
+size_t PartialFloats(const MlaDecodeParams& p, int num_splits) {
+  return size_t(p.batch) * num_splits * p.h_q * p.s_q * (kHeadDimV + 1);
+}
+
+Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
+  if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16 or 32 (use PlanDecode)");
+  if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
+  if (plan.keys_per_split < kPageSize || plan.keys_per_split % kPageSize != 0)
+    return Status::Invalid("plan.keys_per_split: expected a positive multiple of 64");
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+  if (plan.row_tiles != (rows + plan.tile_rows - 1) / plan.tile_rows)
+    return Status::Invalid("plan.row_tiles does not match the params' head counts and s_q");
+  if (int64_t(p.batch) * p.h_kv > 65535) return {Code::kUnsupported, "batch * h_kv above 65535"};
+  if (plan.num_splits > 1) {
+    const size_t need = DecodeWorkspaceBytes(p, plan);
+    if (workspace_bytes < need || (need > 0 && workspace == nullptr))
+      return {Code::kWorkspaceTooSmall, "workspace: need " + std::to_string(need) + " bytes, got " +
+                                            std::to_string(workspace_bytes)};
+  }
+  return Status::Ok();
+}
+
+DecodeArgs MakeArgs(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace) {
+  DecodeArgs a;
+  a.p = p;
+  a.keys_per_split = plan.keys_per_split;
+  a.num_splits = plan.num_splits;
+  a.row_tiles = plan.row_tiles;
+  if (plan.num_splits > 1) {
+    a.o_part = static_cast<float*>(workspace);
+    a.lse_part = a.o_part + size_t(p.batch) * plan.num_splits * p.h_q * p.s_q * kHeadDimV;
+  }
+  return a;
+}
+
+}  // namespace
+
+Status QueryDevice(int device, DeviceInfo* info) {
+  if (!info) return Status::Invalid("info: expected a pointer");
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaGetDeviceProperties");
+  *info = DeviceInfo{};
+  info->device = device;
+  info->cc_major = prop.major;
+  info->cc_minor = prop.minor;
+  info->sm_count = prop.multiProcessorCount;
+  info->max_smem_per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
+  info->max_smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+  info->regs_per_sm = prop.regsPerMultiprocessor;
+  info->max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
+  std::memcpy(info->name, prop.name, std::min(sizeof(info->name) - 1, std::strlen(prop.name)));
+  if (prop.major < 8) return {Code::kUnsupported, std::string("compute capability 8.0 or newer needed, ") + prop.name};
+  return Status::Ok();
+}
+
+Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host, DecodePlan* plan) {
+  if (!plan) return Status::Invalid("plan: expected a pointer");
+  Status s = ValidateParams(p);
+  if (!s.ok()) return s;
+  if (p.batch > 0 && !seqlens_host) return Status::Invalid("seqlens_host: expected a host copy of seqlens [b]");
+  if (dev.sm_count < 1) return Status::Invalid("dev: expected a DeviceInfo filled by QueryDevice");
+  DecodePlan r;
+  r.tile_rows = ChooseTileRows(p);
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+  r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
+  r.threads = sm80::kThreads;
+  r.smem_bytes = SmemOf(r.tile_rows);
+  s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
+  if (!s.ok()) return s;
+  int max_len = 0;
+  for (int i = 0; i < p.batch; ++i) {
+    if (seqlens_host[i] < 0) return Status::Invalid("seqlens_host[" + std::to_string(i) + "] is negative");
+    if (seqlens_host[i] > int64_t(p.max_pages_per_seq) * kPageSize)
+      return Status::Invalid("seqlens_host[" + std::to_string(i) + "] exceeds max_pages_per_seq * 64");
+    max_len = std::max(max_len, seqlens_host[i]);
+  }
+  const int streams = p.batch * p.h_kv * r.row_tiles;
+  ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
+  *plan = r;
+  return Status::Ok();
+}
+
+size_t DecodeWorkspaceBytes(const MlaDecodeParams& p, const DecodePlan& plan) {
+  if (plan.num_splits <= 1) return 0;
+  return PartialFloats(p, plan.num_splits) * sizeof(float);
+}
+
+size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, int h_q, int h_kv) {
+  if (max_batch < 1 || s_q < 1 || h_kv < 1 || h_q < h_kv || h_q % h_kv) return 0;
+  // ChooseSplits gives at most max(1, slots / (batch * h_kv * row_tiles)) partitions,
+  // so batch * num_splits <= batch + slots / (h_kv * row_tiles) over every batch size.
+  // The slot count uses the largest occupancy any tile can have (registers cap it at 16
+  // CTAs of 128 threads on SM80+).
+  const int rows = (h_q / h_kv) * s_q;
+  const int tile = rows <= 16 ? 16 : 32;
+  const int row_tiles = (rows + tile - 1) / tile;
+  int ctas = 0;
+  if (!Occupancy(dev.device, DType::kBF16, tile, &ctas).ok()) ctas = 16;
+  int ctas16 = 0;
+  if (Occupancy(dev.device, DType::kFP16, tile, &ctas16).ok()) ctas = std::max(ctas, ctas16);
+  const int64_t slots = int64_t(ctas) * std::max(1, dev.sm_count);
+  const int64_t best = int64_t(max_batch) + slots / (int64_t(h_kv) * row_tiles);
+  return size_t(best) * h_q * s_q * (kHeadDimV + 1) * sizeof(float);
+}
+
+Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  Status s = ValidateParams(p);
+  if (!s.ok()) return s;
+  if (p.batch == 0) return Status::Ok();
+  s = CheckPlan(p, plan, workspace_bytes, workspace);
+  if (!s.ok()) return s;
+  const DecodeArgs args = MakeArgs(p, plan, workspace);
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kBF16:
+      switch (plan.tile_rows) {
+        case 16:
+          e = Decoder<DType::kBF16, 16>::Launch(args, stream);
+          break;
+        case 32:
+          e = Decoder<DType::kBF16, 32>::Launch(args, stream);
+          break;
+        default:
+          return Status::Invalid("no bf16 kernel for tile_rows " + std::to_string(plan.tile_rows));
+      }
+      break;
+    case DType::kFP16:
+      switch (plan.tile_rows) {
+        case 16:
+          e = Decoder<DType::kFP16, 16>::Launch(args, stream);
+          break;
+        case 32:
+          e = Decoder<DType::kFP16, 32>::Launch(args, stream);
+          break;
+        default:
+          return Status::Invalid("no fp16 kernel for tile_rows " + std::to_string(plan.tile_rows));
+      }
+      break;
+    default:
+      return {Code::kUnsupported, "dtype: no kernel"};
+  }
+  if (e != cudaSuccess) return CudaStatus(e, "decode kernel launch");
+  return Status::Ok();
+}
+
+Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream) {
+  Status s = ValidateParams(p);
+  if (!s.ok()) return s;
+  if (p.batch == 0 || plan.num_splits <= 1) return Status::Ok();
+  s = CheckPlan(p, plan, workspace_bytes, workspace);
+  if (!s.ok()) return s;
+  const DecodeArgs a = MakeArgs(p, plan, workspace);
+  sm80::CombineArgs c;
+  c.p = p;
+  c.keys_per_split = plan.keys_per_split;
+  c.num_splits = plan.num_splits;
+  c.o_part = a.o_part;
+  c.lse_part = a.lse_part;
+  const cudaError_t e = sm80::LaunchCombineKernel(c, stream);
+  if (e != cudaSuccess) return CudaStatus(e, "combine kernel launch");
+  return Status::Ok();
+}
+
+Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream) {
+  Status s = LaunchDecodeKernel(p, plan, workspace, workspace_bytes, stream);
+  if (!s.ok()) return s;
+  return LaunchCombine(p, plan, workspace, workspace_bytes, stream);
+}
+
+Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs, int max_configs, int* num_configs) {
+  if (!num_configs) return Status::Invalid("num_configs: expected a pointer");
+  *num_configs = 0;
+  for (int tile : sm80::kTileRowOptions) {
+    if (*num_configs >= max_configs) break;
+    const void* fn = KernelOf(dtype, tile);
+    if (!fn) return {Code::kUnsupported, "dtype: no kernel"};
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, fn);
+    if (e != cudaSuccess) return CudaStatus(e, "cudaFuncGetAttributes");
+    TileOccupancy t;
+    t.tile_rows = tile;
+    t.threads = sm80::kThreads;
+    t.regs_per_thread = attr.numRegs;
+    t.smem_bytes = SmemOf(tile) + static_cast<int>(attr.sharedSizeBytes);
+    Status s = Occupancy(dev.device, dtype, tile, &t.ctas_per_sm);
+    if (!s.ok()) return s;
+    // A100 (SM80): 64K registers per SM allocated per warp in units of 256, 164 KB of
+    // shared memory per SM with 1 KB reserved per CTA, 2048 threads, 32 CTAs.
+    const int warps = t.threads / 32;
+    const int regs_per_warp = (t.regs_per_thread * 32 + 255) / 256 * 256;
+    const int by_regs = 65536 / (regs_per_warp * warps);
+    const int by_smem = (164 * 1024) / (t.smem_bytes + 1024);
+    const int by_threads = 2048 / t.threads;
+    t.ctas_per_sm_a100 = std::min({by_regs, by_smem, by_threads, 32});
+    configs[(*num_configs)++] = t;
+  }
+  return Status::Ok();
+}
+
+}  // namespace latentd::kernels

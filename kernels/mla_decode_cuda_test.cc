@@ -1,0 +1,313 @@
+// GPU correctness of the SM80 MLA decode (kernel + planner + combine) against the exact
+// CPU implementation, over the sweep of the kernels issue, long sequences, forced
+// split counts, and the host API's error paths. Skips when no CUDA GPU is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/mla_decode_cpu.h"
+#include "kernels/mla_decode_cuda.h"
+#include "kernels/testing/problem.h"
+
+namespace latentd::kernels {
+namespace {
+
+using testing::Problem;
+using testing::ProblemShape;
+
+#define CUDA_OK(x)                                                                   \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);              \
+  } while (0)
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA GPU on this host: GPU decode tests skipped"
+
+// Device buffers that only grow, so a sweep allocates a handful of times.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  void* Get(size_t want) {
+    want = std::max<size_t>(want, 256);
+    if (want > bytes) {
+      if (ptr) cudaFree(ptr);
+      ptr = nullptr;
+      bytes = 0;
+      if (cudaMalloc(&ptr, want) != cudaSuccess) return nullptr;
+      bytes = want;
+    }
+    return ptr;
+  }
+};
+
+struct Gpu {
+  DeviceInfo dev;
+  DeviceBuffer q, kv, table, seqlens, out, lse, ws;
+  CpuMlaDecoder cpu{0};
+};
+
+Gpu& TheGpu() {
+  static Gpu* g = [] {
+    auto* g = new Gpu;
+    Status s = QueryDevice(0, &g->dev);
+    if (!s.ok()) std::fprintf(stderr, "QueryDevice: %s\n", s.message.c_str());
+    return g;
+  }();
+  return *g;
+}
+
+// Runs one problem on the GPU. force_kps > 0 overrides the planner's split size.
+void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<float>* lse, DecodePlan* plan_out) {
+  Gpu& g = TheGpu();
+  MlaDecodeParams p = pr.Params();
+  auto up = [](DeviceBuffer& b, const void* src, size_t bytes) -> void* {
+    void* d = b.Get(bytes);
+    if (d && bytes) cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice);
+    return d;
+  };
+  p.q = up(g.q, pr.q.data(), pr.q.size() * 2);
+  p.kv = up(g.kv, pr.kv.data(), pr.kv.size() * 2);
+  p.block_table = static_cast<const int32_t*>(up(g.table, pr.block_table.data(), pr.block_table.size() * 4));
+  p.seqlens = static_cast<const int32_t*>(up(g.seqlens, pr.seqlens.data(), pr.seqlens.size() * 4));
+  p.out = g.out.Get(pr.out.size() * 2);
+  p.lse = static_cast<float*>(g.lse.Get(pr.lse.size() * 4));
+  ASSERT_TRUE(p.q && p.kv && p.block_table && p.seqlens && p.out && p.lse) << "cudaMalloc failed";
+  // Poison: all-ones bits are NaN in bf16, fp16 and fp32.
+  CUDA_OK(cudaMemset(p.out, 0xff, pr.out.size() * 2));
+  CUDA_OK(cudaMemset(p.lse, 0xff, pr.lse.size() * 4));
+
+  DecodePlan plan;
+  Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan);
+  ASSERT_TRUE(s.ok()) << s.message;
+  const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
+  EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
+  if (force_kps > 0) {
+    const int max_len = *std::max_element(pr.seqlens.begin(), pr.seqlens.end());
+    plan.keys_per_split = force_kps;
+    plan.num_splits = std::max(1, (max_len + force_kps - 1) / force_kps);
+  }
+  const size_t ws_bytes = DecodeWorkspaceBytes(p, plan);
+  void* ws = ws_bytes ? g.ws.Get(ws_bytes) : nullptr;
+  if (ws_bytes) {
+    ASSERT_NE(ws, nullptr);
+    CUDA_OK(cudaMemset(ws, 0xff, ws_bytes));  // partitions must write what combine reads
+  }
+  s = LaunchDecode(p, plan, ws, ws_bytes, nullptr);
+  ASSERT_TRUE(s.ok()) << s.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  out->resize(pr.out.size());
+  lse->resize(pr.lse.size());
+  CUDA_OK(cudaMemcpy(out->data(), p.out, out->size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(lse->data(), p.lse, lse->size() * 4, cudaMemcpyDeviceToHost));
+  if (plan_out) *plan_out = plan;
+}
+
+// Returns true when the GPU matches the CPU implementation on this shape.
+bool Check(const ProblemShape& shape, std::mt19937_64& rng, int force_kps = 0) {
+  Problem pr = MakeProblem(shape, rng);
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+  DecodePlan plan;
+  RunGpu(pr, force_kps, &out, &lse, &plan);
+  if (::testing::Test::HasFatalFailure()) return false;
+  Status s = TheGpu().cpu.Run(pr.Params());
+  EXPECT_TRUE(s.ok()) << s.message;
+  std::vector<double> ref_out(pr.out.size()), ref_lse(pr.lse.size());
+  for (size_t i = 0; i < pr.out.size(); ++i) ref_out[i] = HalfToFloat(shape.dtype, pr.out[i]);
+  for (size_t i = 0; i < pr.lse.size(); ++i) ref_lse[i] = pr.lse[i];
+  const auto c = testing::Compare(pr, out, lse, ref_out, ref_lse);
+  EXPECT_TRUE(c.ok) << testing::Describe(shape) << " tile=" << plan.tile_rows << " splits=" << plan.num_splits
+                    << " kps=" << plan.keys_per_split << ": " << c.first_failure;
+  return c.ok;
+}
+
+std::vector<int> Lengths(int b, int s_k, bool varied, std::mt19937_64& rng) {
+  std::vector<int> v(b, s_k);
+  if (!varied || b == 1) return v;
+  std::uniform_int_distribution<int> len(0, s_k);
+  for (auto& x : v) x = len(rng);
+  v[0] = 0;    // an empty sequence
+  v[1] = s_k;  // the longest
+  return v;
+}
+
+// The kernels issue's sweep for one dtype. b = 64 and s_k = 4096 are sampled rather than
+// crossed with everything, to keep the CPU reference's time reasonable.
+void Sweep(DType dt) {
+  std::mt19937_64 rng(dt == DType::kBF16 ? 11 : 12);
+  const int heads[][2] = {{16, 1}, {32, 1}, {64, 1}, {128, 1}, {16, 2}, {32, 2}, {64, 2}, {128, 2}};
+  int n = 0, failed = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (bool causal : {false, true})
+    for (int s_q : {1, 2, 4})
+      for (const auto& hh : heads) {
+        auto run = [&](int b, int s_k, bool varied) {
+          ProblemShape s;
+          s.dtype = dt;
+          s.batch = b;
+          s.s_q = s_q;
+          s.h_q = hh[0];
+          s.h_kv = hh[1];
+          s.causal = causal;
+          s.seqlens = Lengths(b, s_k, varied, rng);
+          ++n;
+          if (!Check(s, rng)) ++failed;
+        };
+        for (int s_k : {1, 20, 63, 64, 65, 140, 4096}) run(1, s_k, false);
+        for (int s_k : {20, 65, 140, 4096}) run(2, s_k, true);
+        for (int s_k : {1, 63, 140}) run(6, s_k, true);
+        run(6, 64, false);
+        run(64, 65, false);
+        run(64, 140, true);
+      }
+  // b = 64 at 4096 keys, the serving shapes.
+  for (int hq : {16, 128}) {
+    ProblemShape s;
+    s.dtype = dt;
+    s.batch = 64;
+    s.h_q = hq;
+    s.seqlens = Lengths(64, 4096, false, rng);
+    ++n;
+    if (!Check(s, rng)) ++failed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%s sweep: %d problems, %d failed, %.1f s\n", DTypeName(dt), n, failed, secs);
+  EXPECT_EQ(failed, 0);
+}
+
+TEST(GpuDecode, SweepBf16) {
+  SKIP_WITHOUT_GPU();
+  Sweep(DType::kBF16);
+}
+
+TEST(GpuDecode, SweepFp16) {
+  SKIP_WITHOUT_GPU();
+  Sweep(DType::kFP16);
+}
+
+// A small representative subset (both tiles, splits, causal, empty sequences), sized for
+// compute-sanitizer memcheck and racecheck.
+TEST(GpuDecode, Subset) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(5);
+  for (DType dt : {DType::kBF16, DType::kFP16})
+    for (int hq : {16, 64}) {
+      ProblemShape s;
+      s.dtype = dt;
+      s.batch = 3;
+      s.h_q = hq;
+      s.s_q = 2;
+      s.causal = true;
+      s.seqlens = {0, 65, 300};
+      Check(s, rng);
+      Check(s, rng, 64);  // forced split-K with combine
+    }
+}
+
+TEST(GpuDecode, LongSequences) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(7);
+  for (int s_k : {65536, 262144}) {
+    ProblemShape s;
+    s.batch = 1;
+    s.h_q = s_k == 65536 ? 64 : 16;
+    s.seqlens = {s_k};
+    Check(s, rng);
+  }
+  ProblemShape s;  // a long causal one with several queries, fp16
+  s.dtype = DType::kFP16;
+  s.batch = 2;
+  s.s_q = 2;
+  s.h_q = 32;
+  s.causal = true;
+  s.seqlens = {65537, 1000};
+  Check(s, rng);
+}
+
+TEST(GpuDecode, ManySplits) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(9);
+  ProblemShape s;
+  s.batch = 2;
+  s.h_q = 16;
+  s.seqlens = {4096, 4000};
+  Check(s, rng, 64);  // 64 partitions
+  s.batch = 1;
+  s.h_q = 128;
+  s.seqlens = {65536};
+  Check(s, rng, 64);  // 1024 partitions
+  s.batch = 4;
+  s.h_q = 32;
+  s.h_kv = 2;
+  s.s_q = 4;
+  s.causal = true;
+  s.seqlens = {3, 0, 777, 2049};
+  Check(s, rng, 128);
+}
+
+TEST(GpuDecode, PlannerAndErrors) {
+  SKIP_WITHOUT_GPU();
+  Gpu& g = TheGpu();
+  std::mt19937_64 rng(3);
+  ProblemShape shape;
+  shape.batch = 64;
+  shape.seqlens = Lengths(64, 4096, false, rng);
+  Problem pr = MakeProblem(shape, rng);
+  MlaDecodeParams p = pr.Params();
+  DecodePlan plan;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 16);
+  EXPECT_GE(plan.ctas_per_sm, 2);
+  // One wave at most: partitions x sequences fit the resident CTA slots.
+  EXPECT_LE(plan.num_splits * 64, plan.ctas_per_sm * g.dev.sm_count);
+  p.h_q = 128;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 32);
+  EXPECT_EQ(plan.row_tiles, 4);
+
+  // Errors come back as Status.
+  MlaDecodeParams bad = pr.Params();
+  bad.h_q = 24;
+  bad.h_kv = 5;
+  EXPECT_EQ(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).code, Code::kInvalidArgument);
+  bad = pr.Params();
+  ASSERT_TRUE(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).ok());
+  plan.num_splits = 4;
+  plan.keys_per_split = 1024;
+  EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kWorkspaceTooSmall);
+  plan.keys_per_split = 100;
+  EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kInvalidArgument);
+
+  TileOccupancy tiles[4];
+  int n = 0;
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    ASSERT_TRUE(DescribeTiles(g.dev, dt, tiles, 4, &n).ok());
+    ASSERT_EQ(n, 2);
+    for (int i = 0; i < n; ++i) {
+      std::printf("%s tile %d rows: %d regs, %d B smem, %d CTAs/SM here, %d on A100\n", DTypeName(dt),
+                  tiles[i].tile_rows, tiles[i].regs_per_thread, tiles[i].smem_bytes, tiles[i].ctas_per_sm,
+                  tiles[i].ctas_per_sm_a100);
+      EXPECT_GE(tiles[i].ctas_per_sm, 2);
+      EXPECT_GE(tiles[i].ctas_per_sm_a100, 2);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace latentd::kernels

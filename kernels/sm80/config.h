@@ -1,0 +1,50 @@
+// Tile configurations of the SM80 MLA decode kernel. One configuration per row tile:
+// rows = query heads x query tokens that share one KV head, packed into one CTA.
+// Plain C++ so the host planner and the ptxas-facing kernel agree on the same numbers.
+#pragma once
+
+#include "kernels/params.h"
+
+namespace latentd::kernels::sm80 {
+
+// Every configuration runs 4 warps. QK^T is split across the warps along the 576-wide
+// contraction dimension (each warp 144 dims = 9 k-steps), so every K element and every
+// Q element is read from shared memory (or registers) by exactly one warp; the partial
+// scores are summed through shared memory. PV is split along the 512 output columns
+// (128 per warp), so every V element is also read once.
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kDimsPerWarp = kHeadDimQK / kWarps;  // 144
+inline constexpr int kColsPerWarp = kHeadDimV / kWarps;   // 128
+
+template <int kRows>
+struct TileConfig;
+
+// Few rows (h_q / h_kv * s_q <= 16): memory-bound. Q lives in registers (36 per thread),
+// leaving shared memory for 32-key tiles in 2 stages: 2 x 36 KB + 8 KB of partial
+// scores = 80 KB, so 2 CTAs fit in A100's 164 KB. 32 keys per online-softmax rescale.
+template <>
+struct TileConfig<16> {
+  static constexpr int kRowsPerTile = 16;
+  static constexpr int kKeys = 32;   // keys per staged KV tile (and per softmax step)
+  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr bool kQInRegisters = true;
+};
+
+// Many rows (> 16): compute-heavy. 32 rows, because the fp32 output accumulator of a
+// 64-row tile (64 x 512 x 4 B = 128 KB of registers) would by itself fill the register
+// file of one SM, ruling out 2 CTAs per SM. Q (36 KB) stays in shared memory; 16-key
+// tiles in 2 stages (36 KB) + 8 KB partial scores = 80 KB.
+template <>
+struct TileConfig<32> {
+  static constexpr int kRowsPerTile = 32;
+  static constexpr int kKeys = 16;
+  static constexpr int kStages = 2;
+  static constexpr bool kQInRegisters = false;
+};
+
+// Row tiles the planner can choose, smallest first.
+inline constexpr int kTileRowOptions[] = {16, 32};
+inline constexpr int kNumTileConfigs = 2;
+
+}  // namespace latentd::kernels::sm80

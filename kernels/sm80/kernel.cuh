@@ -1,0 +1,434 @@
+// The SM80 MLA decode kernel: one CTA per (row tile, split-K partition, sequence x KV
+// head). cp.async stages KV tiles through XOR-swizzled shared memory, ldmatrix feeds
+// mma.sync.m16n8k16, and an fp32 online softmax runs on the accumulator fragments.
+// Included only by the one-line instantiation files kernels/sm80/decode_*.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "kernels/params.h"
+#include "kernels/sm80/config.h"
+#include "kernels/sm80/launch.h"
+#include "kernels/sm80/traits.h"
+
+namespace latentd::kernels::sm80 {
+namespace detail {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy, bypassing L1 (KV is streamed once). src_bytes 0 fills
+// the destination with zeros without reading src: keys past the end never touch memory
+// (unowned cache rows hold NaN).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <DType kDType>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kDType == DType::kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> two 16-bit values in one register (lo in the low half).
+template <DType kDType>
+__device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (kDType == DType::kBF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return r;
+}
+
+// Element offset of (row, 16-byte chunk) in a [rows][576] swizzled tile. A row is 72
+// chunks = 1152 bytes, a multiple of 128, so without the XOR the 8 rows of an ldmatrix
+// would all hit the same banks.
+__device__ __forceinline__ int Swizzle(int row, int chunk) {
+  return row * kHeadDimQK + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
+}
+
+}  // namespace detail
+
+template <DType kDType, int kRows>
+__global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs args) {
+  using namespace detail;
+  using Cfg = TileConfig<kRows>;
+  using Plan = SharedMemoryPlan<kRows>;
+  constexpr int kN = Cfg::kKeys;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kMT = kRows / 16;  // m16 tiles per warp (each warp covers every row)
+  constexpr int kNT = kN / 8;      // n8 score tiles per KV tile
+  constexpr int kKSteps = kDimsPerWarp / 16;  // 9
+  constexpr int kVT = kColsPerWarp / 8;       // 16 n8 output tiles per warp
+  static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
+  static_assert((kN * (kHeadDimQK / 8)) % kThreads == 0, "KV tile copy must divide evenly");
+
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
+
+  const MlaDecodeParams& p = args.p;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tile = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv;
+  const int seqlen = p.seqlens[b];
+  const int kps = args.keys_per_split;
+  const int n_valid = (seqlen + kps - 1) / kps;
+  if (split > 0 && split >= n_valid) return;  // nothing here; combine ignores it
+  const bool direct = n_valid <= 1;            // the only partition writes out/lse itself
+
+  const int group = p.h_q / p.h_kv;
+  const int rows_kv = group * p.s_q;  // rows sharing this KV head
+  const int row0 = tile * kRows;
+  const int last_row = min(rows_kv, row0 + kRows) - 1;
+  const int key_begin = split * kps;
+  const int key_end = min(seqlen, key_begin + kps);
+  // Query token i sees keys below seqlen - s_q + i + 1 when causal.
+  auto limit_of = [&](int token) { return p.causal ? seqlen - p.s_q + token + 1 : seqlen; };
+  const int lim_min = limit_of(row0 / group);
+  const int cta_end = min(key_end, limit_of(last_row / group));
+  const int num_tiles = cta_end > key_begin ? (cta_end - key_begin + kN - 1) / kN : 0;
+
+  const auto* kv = static_cast<const uint16_t*>(p.kv);
+  const int32_t* table = p.block_table + int64_t(b) * p.block_table_batch_stride;
+  const int64_t kv_head_off = int64_t(kvh) * p.kv_head_stride;
+
+  // Copies KV tile t into stage s: kN keys x 72 chunks, spread over all threads.
+  auto load_tile = [&](int t, int s) {
+    const int key0 = key_begin + t * kN;
+    const int page = table[key0 / kPageSize];
+    const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
+    const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
+#pragma unroll
+    for (int i = 0; i < kN * (kHeadDimQK / 8) / kThreads; ++i) {
+      const int id = tid + i * kThreads;
+      const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+      const bool valid = key0 + key < cta_end;
+      const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
+      CpAsync16(dst0 + Swizzle(key, chunk) * 2, valid ? src : kv, valid);
+    }
+  };
+
+  // Query row r of this tile -> (token, head) -> element offset in q.
+  auto q_row_ptr = [&](int r) -> const uint16_t* {
+    const int row = row0 + r;
+    const int token = row / group, head = kvh * group + row % group;
+    return static_cast<const uint16_t*>(p.q) + int64_t(b) * p.q_batch_stride + int64_t(token) * p.q_seq_stride +
+           int64_t(head) * p.q_head_stride;
+  };
+
+  // Q: registers (16-row tile, this warp's 144 dims in A-fragment order) or shared memory.
+  uint32_t qf[Cfg::kQInRegisters ? kKSteps : 1][4];
+  if constexpr (Cfg::kQInRegisters) {
+    const int r = lane >> 2, c = (lane & 3) * 2;
+    const bool v0 = row0 + r < rows_kv, v1 = row0 + r + 8 < rows_kv;
+    const uint16_t* q0 = v0 ? q_row_ptr(r) : nullptr;
+    const uint16_t* q1 = v1 ? q_row_ptr(r + 8) : nullptr;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int d = warp * kDimsPerWarp + ks * 16 + c;
+      qf[ks][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
+      qf[ks][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
+      qf[ks][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
+      qf[ks][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+    }
+  } else {
+    const uint32_t dst0 = SmemAddr(&sm.q[0][0]);
+    for (int id = tid; id < kRows * (kHeadDimQK / 8); id += kThreads) {
+      const int r = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+      const bool valid = row0 + r < rows_kv;
+      const uint16_t* src = valid ? q_row_ptr(r) + chunk * 8 : static_cast<const uint16_t*>(p.q);
+      CpAsync16(dst0 + Swizzle(r, chunk) * 2, src, valid);
+    }
+  }
+
+  // Pipeline prologue (Q's copies, if any, join the first group).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    CpAsyncCommit();
+  }
+
+  // Per-thread rows: m-tile mt, half h -> tile row mt*16 + lane/4 + 8h.
+  int row_limit[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(row0 + mt * 16 + (lane >> 2) + 8 * h, rows_kv - 1);
+      row_limit[mt][h] = limit_of(row / group);
+    }
+
+  float acc[kMT][kVT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kVT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+  float m_run[kMT][2], l_run[kMT][2];  // running max (log2 domain, scaled) and partial sum
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_run[mt][h] = -INFINITY;
+      l_run[mt][h] = 0.f;
+    }
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
+    if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
+    CpAsyncCommit();
+    const int stage = t % kStages;
+    const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
+
+    // S partial = Q[:, my dims] K[:, my dims]^T.
+    float s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
+      uint32_t a[kMT][4];
+      if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[0][e] = qf[ks][e];
+      } else {
+        const uint32_t q_base = SmemAddr(&sm.q[0][0]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const int r = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          Ldmatrix4(a[mt], q_base + Swizzle(r, chunk0 + (lane >> 4)) * 2);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        uint32_t kb[4];
+        const int key = np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+        Ldmatrix4(kb, kv_base + Swizzle(key, chunk0 + ((lane >> 3) & 1)) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<kDType>(s[mt][2 * np], a[mt], kb[0], kb[1]);
+          Mma<kDType>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
+        }
+      }
+    }
+    // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
+    // bit-identical scores and run identical softmax arithmetic.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+        *reinterpret_cast<float4*>(&sm.s_part[warp][mt][j][lane][0]) =
+            make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        float4 v = *reinterpret_cast<const float4*>(&sm.s_part[0][mt][j][lane][0]);
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) {
+          const float4 u = *reinterpret_cast<const float4*>(&sm.s_part[w][mt][j][lane][0]);
+          v.x += u.x;
+          v.y += u.y;
+          v.z += u.z;
+          v.w += u.w;
+        }
+        s[mt][j][0] = v.x;
+        s[mt][j][1] = v.y;
+        s[mt][j][2] = v.z;
+        s[mt][j][3] = v.w;
+      }
+
+    // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
+    const int key0 = key_begin + t * kN;
+    if (key0 + kN > lim_min) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
+            if (key >= row_limit[mt][e >> 1]) s[mt][j][e] = -INFINITY;
+          }
+    }
+
+    // Online softmax, once per kN keys. A quad of lanes holds one row.
+    bool rescale = false;
+    float alpha[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
+        alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+        rescale |= m_new != m_run[mt][h];
+        m_run[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = exp2f(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
+            s[mt][j][2 * h + e] = pv;
+            sum += pv;
+          }
+        l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], sum);
+      }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kVT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+    }
+
+    // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+      uint32_t pa[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        pa[mt][0] = Pack2<kDType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = Pack2<kDType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = Pack2<kDType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = Pack2<kDType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int np = 0; np < kVT / 2; ++np) {
+        uint32_t vb[4];
+        Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
+          Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // Epilogue: normalise and write out/lse directly, or the partition's partials.
+  const int rows_total = p.h_q * p.s_q;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = row0 + mt * 16 + (lane >> 2) + 8 * h;
+      if (row >= rows_kv) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (m_run[mt][h] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+      const int token = row / group, head = kvh * group + row % group;
+      const int col0 = warp * kColsPerWarp + (lane & 3) * 2;
+      if (direct) {
+        uint16_t* o = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
+                      int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + col0;
+#pragma unroll
+        for (int j = 0; j < kVT; ++j)
+          *reinterpret_cast<uint32_t*>(o + j * 8) =
+              Pack2<kDType>(acc[mt][j][2 * h] * inv, acc[mt][j][2 * h + 1] * inv);
+        if (warp == 0 && (lane & 3) == 0)
+          p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
+      } else {
+        const int64_t prow = (int64_t(b) * args.num_splits + split) * rows_total + kvh * rows_kv + row;
+        float* o = args.o_part + prow * kHeadDimV + col0;
+#pragma unroll
+        for (int j = 0; j < kVT; ++j)
+          *reinterpret_cast<float2*>(o + j * 8) = make_float2(acc[mt][j][2 * h] * inv, acc[mt][j][2 * h + 1] * inv);
+        if (warp == 0 && (lane & 3) == 0) args.lse_part[prow] = lse;
+      }
+    }
+}
+
+// Host side of one instantiation.
+template <DType kDType, int kRows>
+const void* Decoder<kDType, kRows>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows>);
+}
+
+template <DType kDType, int kRows>
+int Decoder<kDType, kRows>::SmemBytes() {
+  return static_cast<int>(sizeof(SharedMemoryPlan<kRows>));
+}
+
+template <DType kDType, int kRows>
+cudaError_t Decoder<kDType, kRows>::Prepare() {
+  // One bit per device: the attribute is per device and costs a driver call.
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           SmemBytes());
+  if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+template <DType kDType, int kRows>
+cudaError_t Decoder<kDType, kRows>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+  cudaError_t e = Prepare();
+  if (e != cudaSuccess) return e;
+  const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
+  MlaDecodeKernel<kDType, kRows><<<grid, kThreads, SmemBytes(), stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace latentd::kernels::sm80

@@ -1,0 +1,36 @@
+// Shared-memory layout of the SM80 decode kernel per tile configuration. sizeof(the plan)
+// is exactly the dynamic shared memory each CTA is launched with.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/params.h"
+#include "kernels/sm80/config.h"
+
+namespace latentd::kernels::sm80 {
+
+template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters>
+struct SharedMemoryPlan {
+  using Cfg = TileConfig<kRows>;
+  // KV tiles, [stage][key][576] 16-bit elements, 16-byte chunks XOR-swizzled per row so
+  // that the 8 rows one ldmatrix reads fall in 8 different bank groups.
+  uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
+  // Q tile [row][576], same swizzle (only when Q is not held in registers).
+  uint16_t q[kRows][kHeadDimQK];
+  // Partial scores of each warp in mma accumulator order:
+  // [warp][m-tile][n-tile][lane] x 4 floats, read back lane-for-lane (conflict-free).
+  float s_part[kWarps][kRows / 16][Cfg::kKeys / 8][32][4];
+};
+
+template <int kRows>
+struct SharedMemoryPlan<kRows, false> {
+  using Cfg = TileConfig<kRows>;
+  uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
+  float s_part[kWarps][kRows / 16][Cfg::kKeys / 8][32][4];
+};
+
+// A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit.
+static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
+static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
+
+}  // namespace latentd::kernels::sm80
