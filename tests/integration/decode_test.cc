@@ -1,0 +1,196 @@
+// End-to-end correctness: the real daemon (CPU backend) driven by the C++ client from
+// many threads, every result checked against the CPU implementation: several layers,
+// s_q 1 and 2 (causal and not), h_q 16 and 32, varied prefixes, forked sequences.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "server/client/client.h"
+#include "server/client/reference.h"
+#include "tests/integration/daemon.h"
+
+namespace latentd::testing {
+namespace {
+
+struct Shape {
+  int layers, h_q, h_kv;
+  const char* dtype;
+  int threads;
+};
+
+// Steps one thread sends per round, and rounds (a fork happens after the first).
+constexpr int kStepsPerRound = 12;
+constexpr int kRounds = 3;
+
+class DecodeTest : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(DecodeTest, ResultsMatchCpuImplementation) {
+  const Shape shape = GetParam();
+  Daemon daemon({absl::StrCat("--num_layers=", shape.layers), absl::StrCat("--num_heads_q=", shape.h_q),
+                 absl::StrCat("--num_heads_kv=", shape.h_kv), absl::StrCat("--dtype=", shape.dtype),
+                 "--kv_pages=4096", "--batch_window_us=200"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  // Two channels, so streams share connections in different ways.
+  auto c1 = daemon.Connect();
+  auto c2 = daemon.Connect();
+  ASSERT_TRUE(c1.ok() && c2.ok()) << daemon.Log();
+  const v1::ServerInfo info = (*c1)->info();
+  ASSERT_EQ(info.num_layers(), shape.layers);
+  ASSERT_EQ(info.num_heads_q(), shape.h_q);
+  ASSERT_EQ(info.num_heads_kv(), shape.h_kv);
+  const kernels::DType dtype = client::DTypeOf(info);
+  client::Reference ref(info, 1);
+  const client::Shape sz((*c1)->info());
+
+  std::vector<std::string> failures(shape.threads);
+  std::vector<int> checked(shape.threads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < shape.threads; ++t) {
+    threads.emplace_back([&, t] {
+      client::Client* c = (t % 2 == 0 ? *c1 : *c2).get();
+      std::string& fail = failures[t];
+      std::mt19937_64 rng(1000 + t);
+      const int prefixes[] = {0, 1, 63, 64, 65, 130, 257, 700};
+      std::vector<std::string> seqs;
+      std::map<std::pair<std::string, int>, int64_t> length;
+      for (int i = 0; i < 2; ++i) {
+        auto id = c->CreateSequence(i == 0 ? absl::StrCat("thread-", t, "-seq-", i) : "");
+        if (!id.ok()) {
+          fail = id.status().ToString();
+          return;
+        }
+        seqs.push_back(*id);
+        std::vector<std::string> rows(shape.layers);
+        std::vector<absl::string_view> views(shape.layers);
+        for (int l = 0; l < shape.layers; ++l) {
+          const int n = prefixes[rng() % 8];
+          rows[l] = client::RandomHalves(rng, size_t(n) * shape.h_kv * 576, dtype);
+          views[l] = rows[l];
+          ref.Append(*id, l, rows[l]);
+          length[{*id, l}] = n;
+        }
+        auto appended = c->AppendKvLayers(*id, views);
+        if (!appended.ok()) {
+          fail = "AppendKv: " + appended.status().ToString();
+          return;
+        }
+        for (int l = 0; l < shape.layers; ++l) {
+          if (appended->lengths(l) != length[{*id, l}]) {
+            fail = absl::StrCat("AppendKv lengths[", l, "] = ", appended->lengths(l), ", expected ",
+                                length[{*id, l}]);
+            return;
+          }
+        }
+      }
+      auto stream = c->OpenDecodeStream();
+      uint64_t next_id = uint64_t(t) << 32;
+      for (int round = 0; round < kRounds && fail.empty(); ++round) {
+        if (round == 1) {
+          // Fork mid-page; both sequences then grow apart.
+          auto fork = c->ForkSequence(seqs[0], absl::StrCat("thread-", t, "-fork"));
+          if (!fork.ok()) {
+            fail = "ForkSequence: " + fork.status().ToString();
+            break;
+          }
+          ref.Fork(seqs[0], *fork);
+          for (int l = 0; l < shape.layers; ++l) length[{*fork, l}] = length[{seqs[0], l}];
+          seqs.push_back(*fork);
+        }
+        struct Sent {
+          std::string seq;
+          int layer, s_q;
+          bool causal;
+          int64_t end;
+          std::string q;
+        };
+        std::map<uint64_t, Sent> sent;
+        v1::DecodeRequest req;
+        for (int k = 0; k < kStepsPerRound; ++k) {
+          Sent s;
+          s.seq = seqs[rng() % seqs.size()];
+          s.layer = static_cast<int>(rng() % shape.layers);
+          s.s_q = 1 + static_cast<int>(rng() % 2);
+          s.causal = s.s_q == 2 && rng() % 4 != 0;
+          s.q = client::RandomHalves(rng, size_t(sz.QBytes(s.s_q) / 2), dtype);
+          std::string kv = client::RandomHalves(rng, size_t(sz.KvBytes(s.s_q) / 2), dtype);
+          ref.Append(s.seq, s.layer, kv);
+          s.end = (length[{s.seq, s.layer}] += s.s_q);
+          v1::DecodeStep* step = req.add_steps();
+          step->set_request_id(next_id);
+          step->set_sequence_id(s.seq);
+          step->set_layer(s.layer);
+          step->set_q(s.q);
+          step->set_kv(kv);
+          step->set_causal(s.causal);
+          sent[next_id++] = std::move(s);
+          // Messages of 1 to 4 steps.
+          if (req.steps_size() >= 1 + static_cast<int>(rng() % 4) || k + 1 == kStepsPerRound) {
+            if (!stream->Write(req)) {
+              fail = "stream closed while writing";
+              break;
+            }
+            req.Clear();
+          }
+        }
+        size_t received = 0;
+        v1::DecodeResponse resp;
+        while (fail.empty() && received < sent.size() && stream->Read(&resp)) {
+          for (const v1::StepResult& r : resp.results()) {
+            ++received;
+            auto it = sent.find(r.request_id());
+            if (it == sent.end()) {
+              fail = absl::StrCat("unexpected request_id ", r.request_id());
+              break;
+            }
+            const Sent& s = it->second;
+            absl::Status st = ref.Check(s.seq, s.layer, s.end, s.q, s.s_q, s.causal, r);
+            if (!st.ok()) {
+              fail = absl::StrCat("step ", r.request_id(), " (", s.seq, " layer ", s.layer, " s_q ", s.s_q,
+                                  s.causal ? " causal" : "", " keys ", s.end, "): ", st.ToString());
+              break;
+            }
+            ++checked[t];
+          }
+        }
+        if (fail.empty() && received != sent.size()) {
+          fail = absl::StrCat("got ", received, " results for ", sent.size(), " steps");
+        }
+      }
+      stream->WritesDone();
+      v1::DecodeResponse drain;
+      while (stream->Read(&drain)) {
+      }
+      grpc::Status st = stream->Finish();
+      if (fail.empty() && !st.ok()) fail = "stream status: " + st.error_message();
+      for (const auto& s : seqs) {
+        auto freed = c->ReleaseSequence(s);
+        if (fail.empty() && !freed.ok()) fail = "ReleaseSequence: " + freed.status().ToString();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  int total = 0;
+  for (int t = 0; t < shape.threads; ++t) {
+    EXPECT_EQ(failures[t], "") << "thread " << t;
+    total += checked[t];
+  }
+  EXPECT_EQ(total, shape.threads * kRounds * kStepsPerRound);
+  // Everything released: the pool is whole again.
+  auto after = (*c1)->GetInfo();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->free_pages(), after->total_pages());
+  EXPECT_EQ(after->sequences(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeTest,
+                         ::testing::Values(Shape{3, 16, 1, "bf16", 8}, Shape{2, 32, 1, "bf16", 4},
+                                           Shape{2, 32, 2, "fp16", 3}),
+                         [](const ::testing::TestParamInfo<Shape>& p) {
+                           return absl::StrCat("layers", p.param.layers, "_hq", p.param.h_q, "_hkv", p.param.h_kv,
+                                               "_", p.param.dtype);
+                         });
+
+}  // namespace
+}  // namespace latentd::testing
