@@ -57,6 +57,14 @@ void Reference::Erase(const std::string& sequence_id) {
   rows_.erase(sequence_id);
 }
 
+void Reference::Truncate(const std::string& sequence_id, int layer, int64_t length) {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  auto it = rows_.find(sequence_id);
+  if (it == rows_.end() || layer < 0 || layer >= static_cast<int>(it->second.size())) return;
+  auto& v = it->second[layer];
+  v.resize(std::min(v.size(), static_cast<size_t>(length * h_kv_ * kernels::kHeadDimQK)));
+}
+
 int64_t Reference::Length(const std::string& sequence_id, int layer) const {
   std::lock_guard<std::mutex> l(rows_mu_);
   auto it = rows_.find(sequence_id);

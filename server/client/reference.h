@@ -32,6 +32,8 @@ class Reference {
   void Append(const std::string& sequence_id, int layer, absl::string_view rows);
   void Fork(const std::string& from, const std::string& to);
   void Erase(const std::string& sequence_id);
+  // Drops rows beyond length (a step the server refused did not append its rows).
+  void Truncate(const std::string& sequence_id, int layer, int64_t length);
   int64_t Length(const std::string& sequence_id, int layer) const;
 
   // Expected out [s_q, h_q, 512] and lse [h_q, s_q] of a step over rows [0, end) of the
