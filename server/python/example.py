@@ -1,7 +1,8 @@
 # latentd "try it": creates a sequence, uploads a random 300-token prefix, runs a few
 # decode steps (one token, then two causal tokens), checks them against a numpy
 # reference and releases the sequence.
-#   bazel run //server/python:example -- --target 127.0.0.1:50051
+#   bazel build //server/python:latentd_client_pkg
+#   PYTHONPATH=bazel-bin/server/python python3 server/python/example.py --target 127.0.0.1:50051
 import argparse
 import sys
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The load generator against the real daemon (CPU backend): a short run with half the
+# steps checked against the CPU implementation must report no failures or mismatches.
+set -euo pipefail
+latentd=$1
+loadgen=$2
+dir=${TEST_TMPDIR:-$(mktemp -d)}
+"$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --listen=127.0.0.1:0 --port_file="$dir/port" \
+  > "$dir/latentd.log" 2>&1 &
+pid=$!
+trap 'kill -9 $pid 2>/dev/null || true' EXIT
+for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+[[ -s $dir/port ]] || { cat "$dir/latentd.log"; exit 1; }
+out=$("$loadgen" --target="127.0.0.1:$(cat "$dir/port")" --sequences=6 --streams=3 --prefix_len=200 \
+  --layers=2 --s_q=2 --window=4 --duration_s=3 --check_fraction=0.5 --check_threads=1)
+echo "$out"
+grep -q "0 failed" <<<"$out"
+grep -qE "checked [1-9][0-9]* steps .* 0 mismatched" <<<"$out"
+grep -qE "latency ms: p50 [0-9.]+  p90 [0-9.]+  p99" <<<"$out"
+# The daemon drains and exits 0 on SIGTERM.
+kill -TERM $pid
+wait $pid

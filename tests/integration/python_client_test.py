@@ -1,0 +1,198 @@
+# The Python client (latentd_client) against the real daemon (CPU backend): results
+# against a numpy reference for several layers, s_q 1 and 2, h_q 32, forks and threads;
+# error codes; the bearer token; and the example script from the docs.
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import grpc
+import numpy as np
+
+import latentd_client
+from latentd_client import LatentdClient, LatentdError
+
+RUNFILES = os.path.join(os.environ.get("TEST_SRCDIR", "."), os.environ.get("TEST_WORKSPACE", "latentd"))
+
+
+class Daemon:
+    """latentd on a free loopback port (port file), killed at exit."""
+
+    def __init__(self, *flags):
+        self.dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        port_file = os.path.join(self.dir, "port")
+        self.log_path = os.path.join(self.dir, "latentd.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [os.path.join(RUNFILES, "server/latentd"), "--backend=cpu", "--cpu_threads=2",
+             "--listen=127.0.0.1:0", f"--port_file={port_file}", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("latentd did not start:\n" + open(self.log_path).read())
+            time.sleep(0.02)
+        self.target = "127.0.0.1:" + open(port_file).read().strip()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def close(a, b, rel):
+    """FlashMLA's element tolerance: abs 8e-4 or rel (2/128 for bf16)."""
+    return np.all(np.abs(a - b) <= np.maximum(8e-4, rel * np.abs(b)))
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon("--num_layers=2", "--num_heads_q=32")
+        cls.client = LatentdClient(cls.daemon.target)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.daemon.stop()
+
+    def rand(self, rng, *shape):
+        # Values the wire format holds exactly, so the reference sees what the server sees.
+        c = self.client
+        return c.unwire(c.wire(rng.uniform(-1, 1, shape)), shape)
+
+    def check(self, out, q, rows, causal):
+        info = self.client.info
+        ref_out, ref_lse = latentd_client.reference_decode(q, rows, info.softmax_scale, causal=causal)
+        self.assertTrue(out.ok, out.message)
+        self.assertTrue(close(out.out, ref_out, 2 / 128), f"max diff {np.abs(out.out - ref_out).max()}")
+        np.testing.assert_allclose(out.lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+    def run_sequence(self, seed, prefixes, steps, fork_after=None):
+        """Creates a sequence, uploads prefixes, runs steps [(layer, s_q, causal)] on one
+        session and checks each; optionally forks and checks the fork too."""
+        c = self.client
+        rng = np.random.default_rng(seed)
+        info = c.info
+        seq = c.create_sequence()
+        rows = {layer: self.rand(rng, n, info.num_heads_kv, 576) for layer, n in prefixes.items()}
+        resp = c.append_kv(seq, {l: r for l, r in rows.items() if len(r)})
+        self.assertEqual(resp.tokens_appended, sum(prefixes.values()))
+        self.assertEqual(list(resp.lengths), [prefixes.get(l, 0) for l in range(info.num_layers)])
+        seqs = {seq: rows}
+        for i, (layer, s_q, causal) in enumerate(steps):
+            if i == fork_after:
+                fork = c.fork_sequence(seq)
+                seqs[fork] = {l: r.copy() for l, r in seqs[seq].items()}
+            for sid, srows in seqs.items():
+                q = self.rand(rng, s_q, info.num_heads_q, 576)
+                kv = self.rand(rng, s_q, info.num_heads_kv, 576)
+                [out] = c.decode([dict(sequence_id=sid, layer=layer, q=q, kv=kv, causal=causal)])
+                srows[layer] = np.concatenate([srows.get(layer, np.zeros((0, info.num_heads_kv, 576))), kv])
+                self.check(out, q, srows[layer], causal)
+        for sid in seqs:
+            self.assertGreaterEqual(c.release_sequence(sid), 0)
+
+    def test_results_match_reference(self):
+        self.run_sequence(1, {0: 130, 1: 64}, [(0, 1, False), (1, 2, True), (0, 2, True), (1, 1, False)],
+                          fork_after=2)
+
+    def test_many_threads(self):
+        errors = []
+
+        def work(seed):
+            try:
+                self.run_sequence(seed, {0: 1 + seed * 37, 1: 0}, [(seed % 2, 1, False), (1, 2, True)])
+            except Exception as e:  # reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(2, 6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+
+    def test_session_streams_many_steps(self):
+        c = self.client
+        rng = np.random.default_rng(9)
+        seq = c.create_sequence("py-session")
+        prefix = self.rand(rng, 65, 1, 576)
+        c.append_kv(seq, {0: prefix})
+        rows = prefix
+        expected = {}
+        with c.open_session() as session:
+            for _ in range(10):
+                q, kv = self.rand(rng, 1, 32, 576), self.rand(rng, 1, 1, 576)
+                rows = np.concatenate([rows, kv])
+                expected[session.submit(seq, 0, q, kv)] = (q, rows)
+            session.close_send()
+            got = list(session.results())
+        self.assertEqual(sorted(r.request_id for r in got), sorted(expected))
+        for r in got:
+            q, r_rows = expected[r.request_id]
+            self.check(r, q, r_rows, False)
+        c.release_sequence(seq)
+
+    def test_errors(self):
+        c = self.client
+        seq = c.create_sequence("py-errors")
+        with self.assertRaises(LatentdError) as e:
+            c.create_sequence("py-errors")
+        self.assertEqual(e.exception.code, grpc.StatusCode.ALREADY_EXISTS)
+        with self.assertRaises(LatentdError) as e:
+            c.release_sequence("py-missing")
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(LatentdError) as e:
+            c.append_kv(seq, {0: b"\0" * 1000})
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("kv", e.exception.message)
+        with self.assertRaises(LatentdError) as e:
+            c.append_kv(seq, {5: np.zeros((1, 1, 576))})
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("layer", e.exception.message)
+        q, kv = np.zeros((1, 32, 576)), np.zeros((1, 1, 576))
+        outs = c.decode([dict(sequence_id=seq, layer=0, q=q, kv=kv),
+                         dict(sequence_id=seq, layer=0, q=b"\0" * 10, kv=kv),
+                         dict(sequence_id="py-missing", layer=0, q=q, kv=kv),
+                         dict(sequence_id=seq, layer=0, q=q, kv=kv)])
+        self.assertEqual([o.code for o in outs], [0, grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                  grpc.StatusCode.NOT_FOUND.value[0], 0])
+        self.assertIn("q:", outs[1].message)
+        self.assertEqual(c.health(), "SERVING")
+        c.release_sequence(seq)
+
+    def test_example_script(self):
+        example = os.path.join(RUNFILES, "server/python/example.py")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        run = subprocess.run([sys.executable, example, "--target", self.daemon.target, "--layer", "1"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("ok", run.stdout.splitlines()[-1])
+
+
+class AuthTest(unittest.TestCase):
+    def test_token(self):
+        daemon = Daemon("--auth_token=py-token")
+        try:
+            with self.assertRaises(LatentdError) as e:
+                LatentdClient(daemon.target)
+            self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+            with LatentdClient(daemon.target, auth_token="py-token") as c:
+                seq = c.create_sequence()
+                c.append_kv(seq, {0: np.zeros((3, 1, 576))})
+                [out] = c.decode([dict(sequence_id=seq, layer=0, q=np.zeros((1, 16, 576)),
+                                       kv=np.ones((1, 1, 576)) * 0.5)])
+                self.assertTrue(out.ok, out.message)
+                # q = 0 gives equal scores: out is the mean of the value rows, (0 * 3 + 0.5) / 4.
+                np.testing.assert_allclose(out.out, 0.125, rtol=1e-2)
+        finally:
+            daemon.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()
