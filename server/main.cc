@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -201,6 +202,8 @@ int Run() {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail("--listen: cannot serve on " + listen);
+  // Probes may ask for the whole server ("") or for the service by name.
+  server->GetHealthCheckService()->SetServingStatus(latentd::v1::DecodeService::service_full_name(), true);
 
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = absl::StrCat(host, ":", port);
@@ -227,7 +230,8 @@ int Run() {
   if (ttl_s > 0) {
     ttl_thread = std::thread([&] {
       const absl::Duration ttl = absl::Seconds(ttl_s);
-      const absl::Duration period = std::min(absl::Seconds(1), ttl / 4);
+      // Fine enough for short test TTLs, rare enough not to contend with the scheduler.
+      const absl::Duration period = std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(10));
       while (!stop_ttl.WaitForNotificationWithTimeout(period)) {
         const int released = engine->ReleaseIdleSequences(ttl);
         if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);

@@ -112,9 +112,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
       absl::MutexLock l(&mu_);
       reading_ = false;
       if (!ok) reads_done_ = true;
-      if (!ok || finished_) {
-        // Steps in a read that completes after Finish were never accepted; the client
-        // learns that from the stream's status.
+      if (!ok || finished_ || cancelled_.load(std::memory_order_acquire)) {
+        // Steps in a read that completes after Finish (or after the client went away)
+        // are never accepted; the client learns that from the stream's status.
         p = PlanLocked();
       } else {
         processing_ = true;  // no Finish until every step of this read is accounted for
@@ -168,7 +168,16 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     Act(p);
   }
 
-  // Called by the service with its stream registry locked.
+  // Keeps the reactor alive across a call from outside gRPC's reactions (BeginDrain).
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  // The reactor lives until gRPC is done with it (OnDone) and no Act is in progress.
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      if (registered_) service_->Unregister(this);
+      delete this;
+    }
+  }
+
   void BeginDrain() {
     Plan p;
     {
@@ -241,14 +250,6 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     if (p.read) StartRead(&request_);
     if (p.finish) Finish(p.status);
     if (p.holds_ref) Unref();
-  }
-
-  // The reactor lives until gRPC is done with it (OnDone) and no Act is in progress.
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      if (registered_) service_->Unregister(this);
-      delete this;
-    }
   }
 
   // Moves finished results into response_, up to the byte cap (at least one result).
@@ -628,10 +629,19 @@ int DecodeServiceImpl::OpenStreams() const {
 
 void DecodeServiceImpl::BeginDrain() {
   draining_.store(true, std::memory_order_release);
-  // Reactors unregister under streams_mu_ before they are deleted, so each pointer is
-  // alive while we hold the lock.
-  absl::MutexLock l(&streams_mu_);
-  for (DecodeReactor* r : streams_) r->BeginDrain();
+  // Reactors unregister under streams_mu_ before they are deleted, so each one is alive
+  // while we hold the lock; a reference keeps it so while BeginDrain runs unlocked (it
+  // may finish the stream, and the last Unref unregisters).
+  std::vector<DecodeReactor*> open;
+  {
+    absl::MutexLock l(&streams_mu_);
+    open.assign(streams_.begin(), streams_.end());
+    for (DecodeReactor* r : open) r->Ref();
+  }
+  for (DecodeReactor* r : open) {
+    r->BeginDrain();
+    r->Unref();
+  }
 }
 
 }  // namespace latentd::server

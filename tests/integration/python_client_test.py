@@ -166,6 +166,17 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(c.health(), "SERVING")
         c.release_sequence(seq)
 
+    def test_health_and_reflection(self):
+        c = self.client
+        self.assertEqual(c.health(), "SERVING")
+        self.assertEqual(c.health("latentd.v1.DecodeService"), "SERVING")
+        # Server reflection, spoken in raw bytes: ServerReflectionRequest{list_services: ""}.
+        call = c.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        responses = list(call(iter([b"\x3a\x00"]), timeout=10))
+        self.assertEqual(len(responses), 1)
+        self.assertIn(b"latentd.v1.DecodeService", responses[0])
+        self.assertIn(b"grpc.health.v1.Health", responses[0])
+
     def test_example_script(self):
         example = os.path.join(RUNFILES, "server/python/example.py")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -140,9 +140,10 @@ class LatentdClient:
     def get_info(self):
         return self._call(self.stub.GetInfo, latentd_pb2.GetInfoRequest())
 
-    def health(self):
-        """'SERVING' or 'NOT_SERVING' (grpc.health.v1)."""
-        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest())
+    def health(self, service=""):
+        """'SERVING' or 'NOT_SERVING' (grpc.health.v1) of the server, or of one service
+        ("latentd.v1.DecodeService")."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def create_sequence(self, sequence_id=""):
