@@ -270,7 +270,9 @@ class PropertyRun {
     if (copies > free_before) {
       ASSERT_EQ(f.status().code(), absl::StatusCode::kResourceExhausted) << "op " << op_;
       EXPECT_EQ(mgr_->free_pages(), free_before);
-      if (!new_id.empty()) EXPECT_EQ(mgr_->Find(new_id), nullptr);
+      if (!new_id.empty()) {
+        EXPECT_EQ(mgr_->Find(new_id), nullptr);
+      }
       ++out_of_pages_;
       return;
     }
