@@ -39,6 +39,10 @@ class KvCacheManager {
   // fails with FAILED_PRECONDITION. `config` must be valid (KvCacheConfig::Validate) and
   // match the storage's.
   KvCacheManager(const KvCacheConfig& config, KvStorage* storage);
+  // The checked way to build one: INVALID_ARGUMENT for a bad config or a storage of
+  // another shape.
+  static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheConfig& config,
+                                                                KvStorage* storage);
   ~KvCacheManager();
   KvCacheManager(const KvCacheManager&) = delete;
   KvCacheManager& operator=(const KvCacheManager&) = delete;
@@ -82,7 +86,7 @@ class KvCacheManager {
   // Logical page ids, shared by every layer: layer l's storage pages are these plus
   // config().PageOffset(l). Its size is ceil(max layer length / 64).
   const std::vector<int32_t>& BlockTable(const Sequence* seq) const;
-  int64_t Length(const Sequence* seq, int layer) const;
+  int64_t Length(const Sequence* seq, int layer) const;  // 0 for a layer out of range
   const std::vector<int64_t>& Lengths(const Sequence* seq) const;
   const std::string& Id(const Sequence* seq) const;
   int64_t PagesOf(const Sequence* seq) const;

@@ -568,6 +568,20 @@ TEST_F(ManagerTest, BookkeepingWithoutStorage) {
   EXPECT_EQ(bare.GetStats().free_pages, 8);
 }
 
+TEST_F(ManagerTest, CreateChecksConfigAndStorage) {
+  auto ok = KvCacheManager::Create(config_, storage_.get());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->GetStats().total_pages, 8);
+  EXPECT_TRUE(KvCacheManager::Create(config_, nullptr).ok());
+  auto bad = KvCacheManager::Create(KvCacheConfig{0, 1, 8}, nullptr);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  KvCacheConfig other = config_;
+  other.num_pages = 9;
+  auto mismatch = KvCacheManager::Create(other, storage_.get());
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(StartsWith(mismatch.status(), "storage: ")) << mismatch.status();
+}
+
 TEST_F(ManagerTest, BlockTableGrowthIsAmortised) {
   Reset(1024);
   Sequence* s = Create("s");
