@@ -61,7 +61,10 @@ class KvCacheManager {
   // are shared; the others (the partly filled tail) are copied, so neither sequence
   // ever writes into a shared page. NOT_FOUND for an unknown id; new_id as in
   // CreateSequence (field "new_sequence_id"); RESOURCE_EXHAUSTED when the copies do not
-  // fit, changing nothing.
+  // fit, changing nothing. The copies are issued now (on the storage's stream): rows
+  // reserved by ReserveAppend but not yet written are copied as they are at that point,
+  // so fork a sequence only when its reserved rows have been written (or enqueued
+  // earlier on the same stream).
   absl::StatusOr<Sequence*> Fork(absl::string_view id, absl::string_view new_id);
   // Drops the sequence; returns the pages actually freed (those no fork still holds).
   absl::StatusOr<int64_t> Release(absl::string_view id);
@@ -73,8 +76,10 @@ class KvCacheManager {
   // The decode path's two-phase append: reserves the pages (copy-on-write included),
   // commits the new length and writes into `slots` where the rows go, in order; the
   // backend writes the rows itself (for example one device scatter for the batch).
-  // `slots` must hold MaxAppendSlots(n) entries. Allocates nothing beyond amortised
-  // growth of the sequence's block table.
+  // Copy-on-write copies are issued now through the storage, so on CUDA they precede
+  // anything enqueued later on its stream. `slots` must hold MaxAppendSlots(n) entries.
+  // Allocates nothing beyond amortised growth of the sequence's block table, which may
+  // move it: read BlockTable() after the last reservation touching the sequence.
   absl::Status ReserveAppend(Sequence* seq, int layer, int n, AppendSlot* slots,
                              int* num_slots);
   static constexpr int MaxAppendSlots(int n) { return n / kPageSize + 2; }
