@@ -82,7 +82,8 @@ class KvCacheManager {
   // move it: read BlockTable() after the last reservation touching the sequence.
   absl::Status ReserveAppend(Sequence* seq, int layer, int n, AppendSlot* slots,
                              int* num_slots);
-  static constexpr int MaxAppendSlots(int n) { return n / kPageSize + 2; }
+  // Most runs n rows can span: ceil((63 + n) / 64), which is at most ceil(n / 64) + 1.
+  static constexpr int MaxAppendSlots(int n) { return (n + 2 * kPageSize - 2) / kPageSize; }
   // Sets a layer's length back to new_length (clamped to [0, Length]), freeing pages no
   // layer needs any more; undoes a ReserveAppend whose step failed. Rows past the new
   // length are garbage and later appends overwrite them.

@@ -279,19 +279,36 @@ TEST_F(ManagerTest, ReserveAppendReturnsRunsInOrder) {
   EXPECT_TRUE(StartsWith(mgr_->ReserveAppend(s, 0, 1, slots, nullptr), "slots: "));
 }
 
+TEST(MaxAppendSlots, IsTight) {
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(1), 1);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(2), 2);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(64), 2);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(65), 2);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(66), 3);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(130), 4);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(193), 4);
+  EXPECT_EQ(KvCacheManager::MaxAppendSlots(194), 5);
+  for (int n = 1; n < 1000; ++n) {
+    EXPECT_LE(KvCacheManager::MaxAppendSlots(n), (n + 63) / 64 + 1) << n;
+  }
+}
+
 TEST_F(ManagerTest, MaxAppendSlotsBoundsEveryAlignment) {
   Sequence* s = Create("s");
   AppendSlot slots[KvCacheManager::MaxAppendSlots(130)];
-  for (int start = 0; start < 64; start += 7) {
-    int num = 0;
-    for (int n : {1, 63, 64, 65, 128, 130}) {
-      if (mgr_->Length(s, 0) + n > 8 * 64) break;
+  for (int start = 0; start < 64; ++start) {
+    for (int n : {1, 2, 63, 64, 65, 66, 128, 130}) {
+      mgr_->TruncateLayer(s, 0, 0);
+      int num = 0;
+      if (start > 0) ASSERT_TRUE(mgr_->ReserveAppend(s, 0, start, slots, &num).ok());
       ASSERT_TRUE(mgr_->ReserveAppend(s, 0, n, slots, &num).ok());
-      EXPECT_LE(num, KvCacheManager::MaxAppendSlots(n));
+      EXPECT_LE(num, KvCacheManager::MaxAppendSlots(n)) << start << " " << n;
+      // Starting on a page's last row is the worst case, and reaches the bound.
+      if (start == 63) EXPECT_EQ(num, KvCacheManager::MaxAppendSlots(n)) << n;
       int total = 0;
       for (int i = 0; i < num; ++i) total += slots[i].n;
       EXPECT_EQ(total, n);
-      mgr_->TruncateLayer(s, 0, start);
+      EXPECT_EQ(slots[0].row, start);
     }
   }
   ExpectConsistent();
@@ -566,6 +583,88 @@ TEST_F(ManagerTest, BookkeepingWithoutStorage) {
   ASSERT_TRUE(bare.Release("a").ok());
   ASSERT_TRUE(bare.Release("b").ok());
   EXPECT_EQ(bare.GetStats().free_pages, 8);
+}
+
+// Host storage that fails the k-th write or copy from now on, as a device fault would.
+class FaultyStorage final : public KvStorage {
+ public:
+  explicit FaultyStorage(std::unique_ptr<KvStorage> inner) : inner_(std::move(inner)) {}
+  void FailWriteAfter(int ok_calls) { writes_left_ = ok_calls; }
+  void FailCopyAfter(int ok_calls) { copies_left_ = ok_calls; }
+
+  const KvCacheConfig& config() const override { return inner_->config(); }
+  void* base() override { return inner_->base(); }
+  absl::Status WriteRows(int layer, int32_t page, int row, int n, const void* src) override {
+    if (writes_left_ >= 0 && writes_left_-- == 0) return absl::InternalError("injected write");
+    return inner_->WriteRows(layer, page, row, n, src);
+  }
+  absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) override {
+    return inner_->ReadRows(layer, page, row, n, dst);
+  }
+  absl::Status CopyPage(int32_t src_page, int32_t dst_page) override {
+    if (copies_left_ >= 0 && copies_left_-- == 0) return absl::InternalError("injected copy");
+    return inner_->CopyPage(src_page, dst_page);
+  }
+
+ private:
+  std::unique_ptr<KvStorage> inner_;
+  int writes_left_ = -1, copies_left_ = -1;
+};
+
+class StorageFailureTest : public ManagerTest {
+ protected:
+  void SetUp() override {
+    config_ = KvCacheConfig{kLayers, 1, 8};
+    auto st = MakeHostKvStorage(config_);
+    ASSERT_TRUE(st.ok());
+    auto faulty = std::make_unique<FaultyStorage>(*std::move(st));
+    faulty_ = faulty.get();
+    storage_ = std::move(faulty);
+    mgr_ = std::make_unique<KvCacheManager>(config_, storage_.get());
+  }
+  FaultyStorage* faulty_ = nullptr;
+};
+
+TEST_F(StorageFailureTest, FailedWriteGivesBackNewPagesAndKeepsTheLength) {
+  Sequence* s = Create("s");
+  AppendAll(s, 10, 1);
+  faulty_->FailWriteAfter(1);  // the second run of the next append fails
+  absl::Status st = Append(s, 0, 150, 100);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(mgr_->Length(s, 0), 10);
+  EXPECT_EQ(mgr_->PagesOf(s), 1);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 7);
+  ExpectConsistent();
+  ExpectRows(s, 0, 0, 10, 1);
+}
+
+TEST_F(StorageFailureTest, FailedForkCopyLeavesNoFork) {
+  Sequence* a = Create("a");
+  AppendAll(a, 64 * 2 + 3, 1);  // two shared pages, one copied
+  faulty_->FailCopyAfter(0);
+  auto f = mgr_->Fork("a", "b");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(mgr_->Find("b"), nullptr);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 5);
+  for (int32_t p : mgr_->BlockTable(a)) EXPECT_EQ(mgr_->RefCount(p), 1);
+  ExpectConsistent();
+}
+
+TEST_F(StorageFailureTest, FailedCopyOnWriteKeepsTheSharedPage) {
+  Sequence* a = Create("a");
+  AppendAll(a, 64, 1);
+  ASSERT_TRUE(mgr_->Fork("a", "b").ok());
+  mgr_->TruncateLayer(a, 0, 32);
+  const auto table = mgr_->BlockTable(a);
+  faulty_->FailCopyAfter(0);
+  AppendSlot slots[KvCacheManager::MaxAppendSlots(1)];
+  int num = 0;
+  EXPECT_EQ(mgr_->ReserveAppend(a, 0, 1, slots, &num).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(mgr_->BlockTable(a), table);
+  EXPECT_EQ(mgr_->Length(a, 0), 32);
+  EXPECT_EQ(mgr_->RefCount(table[0]), 2);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 7);
+  ExpectConsistent();
 }
 
 TEST_F(ManagerTest, CreateChecksConfigAndStorage) {
