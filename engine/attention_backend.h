@@ -35,8 +35,10 @@ class AttentionBackend {
   virtual kv::KvStorage* storage() = 0;          // the KV pool's bytes
   virtual const kv::KvCacheConfig& kv_config() const = 0;
 
-  // Phase 1, under the engine's KV lock: copy what the batch needs (q, new rows, block
-  // tables, seqlens) into this backend's staging for batch.slot. May mark entries failed.
+  // Phase 1, under the engine's KV lock: copy what the batch needs (q, block tables,
+  // seqlens) into this backend's staging for batch.slot, and write (CPU) or queue the
+  // writes of (CUDA, on the pool's stream) the new rows, so that any page copy the KV
+  // cache makes later is ordered after them. May mark entries failed.
   virtual void Stage(Batch& batch) = 0;
   // Phase 2, without locks: start (GPU) or run (CPU) the attention.
   virtual void Launch(Batch& batch) = 0;

@@ -153,10 +153,8 @@ class CudaBackend final : public AttentionBackend {
       kernels::Status ks = kernels::PlanDecode(dev_, p, seqlens + s.groups[g].first_entry, &s.plans[g]);
       if (!ks.ok()) FailGroup(batch, s, s.groups[g], absl::InternalError("PlanDecode: " + ks.message));
     }
-  }
-
-  void Launch(Batch& batch) override {
-    Slot& s = slots_[batch.slot];
+    // The inputs' copy and the new rows' scatter are queued here, under the engine's KV
+    // lock: a fork or copy-on-write queued on the same stream afterwards sees the rows.
     s.launch_status = absl::OkStatus();
     if (s.order.empty()) return;
     cudaSetDevice(o_.device);
@@ -169,10 +167,14 @@ class CudaBackend final : public AttentionBackend {
                           s.dev_in + off_kv_, reinterpret_cast<const int64_t*>(s.dev_in + off_dst_), s.rows,
                           static_cast<int>(row_bytes_), storage_->base(), stream_)),
                       "scatter new rows");
-    if (!st.ok()) {
-      s.launch_status = st;
-      return;
-    }
+    s.launch_status = st;
+  }
+
+  void Launch(Batch& batch) override {
+    Slot& s = slots_[batch.slot];
+    if (s.order.empty() || !s.launch_status.ok()) return;
+    cudaSetDevice(o_.device);
+    absl::Status st;
     for (size_t g = 0; g < s.groups.size(); ++g) {
       const LaunchGroup& grp = s.groups[g];
       if (!batch.entries[s.order[grp.first_entry]].status.ok()) continue;  // planning failed

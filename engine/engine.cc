@@ -275,11 +275,13 @@ class EngineImpl final : public Engine {
       }
       kv_.Touch(seq, now);
       e.seqlen = kv_.Length(seq, s->layer);
-      const auto& table = kv_.BlockTable(seq);
-      e.table = table.data();
       e.table_pages = static_cast<int>((e.seqlen + kernels::kPageSize - 1) / kernels::kPageSize);
       e.page_offset = int64_t{s->layer} * num_pages;
     }
+    // Table pointers only after every reservation: a later step of the same sequence
+    // (another layer) may have grown, and so moved, its block table.
+    for (auto& e : batch.entries)
+      if (e.status.ok()) e.table = kv_.BlockTable(kv_.Find(e.step->sequence_id)).data();
     backend_->Stage(batch);
     // A step the backend could not stage gives its reserved rows back.
     for (auto& e : batch.entries) {
@@ -386,6 +388,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (o.model.softmax_scale <= 0.f) o.model.softmax_scale = 1.0f / std::sqrt(float(kHeadDimQK));
   if (o.max_batch_size < 1) return absl::InvalidArgumentError("max_batch_size: expected >= 1");
   if (o.max_s_q < 1 || o.max_s_q > 64) return absl::InvalidArgumentError("max_s_q: expected 1..64");
+  static_assert(kv::KvCacheManager::MaxAppendSlots(64) <= kMaxAppendSlots, "BatchEntry::slots too small");
   if (o.max_batch_tokens < o.max_s_q)
     return absl::InvalidArgumentError("max_batch_tokens: expected >= max_s_q");
   if (o.max_queue < 1) return absl::InvalidArgumentError("max_queue: expected >= 1");

@@ -91,7 +91,7 @@ absl::Status ValidateSequenceId(absl::string_view id, absl::string_view field) {
 KvCacheManager::KvCacheManager(const KvCacheConfig& config, KvStorage* storage)
     : config_(config), storage_(storage) {
   // Allocated once: the allocator never grows on the decode path.
-  refcount_.assign(static_cast<size_t>(config_.num_pages), 0);
+  refcount_.assign(static_cast<size_t>(std::max<int64_t>(0, config_.num_pages)), 0);
   free_list_.reserve(static_cast<size_t>(config_.num_pages));
   // Highest id at the bottom so pages are handed out 0, 1, 2, ... from a fresh pool.
   for (int64_t p = config_.num_pages - 1; p >= 0; --p) {
@@ -100,6 +100,24 @@ KvCacheManager::KvCacheManager(const KvCacheConfig& config, KvStorage* storage)
 }
 
 KvCacheManager::~KvCacheManager() = default;
+
+absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
+    const KvCacheConfig& config, KvStorage* storage) {
+  if (absl::Status s = config.Validate(); !s.ok()) return s;
+  if (storage != nullptr) {
+    const KvCacheConfig& sc = storage->config();
+    if (sc.num_layers != config.num_layers || sc.num_heads_kv != config.num_heads_kv ||
+        sc.num_pages != config.num_pages || sc.bytes_per_value != config.bytes_per_value) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("storage: shaped for ", sc.num_layers, " layers, ", sc.num_heads_kv,
+                       " heads, ", sc.num_pages, " pages, ", sc.bytes_per_value,
+                       " bytes per value; the cache is configured for ", config.num_layers,
+                       ", ", config.num_heads_kv, ", ", config.num_pages, ", ",
+                       config.bytes_per_value));
+    }
+  }
+  return std::make_unique<KvCacheManager>(config, storage);
+}
 
 absl::StatusOr<std::string> KvCacheManager::NewId(absl::string_view requested,
                                                   absl::string_view field) {

@@ -39,6 +39,10 @@ class KvCacheManager {
   // fails with FAILED_PRECONDITION. `config` must be valid (KvCacheConfig::Validate) and
   // match the storage's.
   KvCacheManager(const KvCacheConfig& config, KvStorage* storage);
+  // The checked way to build one: INVALID_ARGUMENT for a bad config or a storage of
+  // another shape.
+  static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheConfig& config,
+                                                                KvStorage* storage);
   ~KvCacheManager();
   KvCacheManager(const KvCacheManager&) = delete;
   KvCacheManager& operator=(const KvCacheManager&) = delete;
@@ -57,7 +61,10 @@ class KvCacheManager {
   // are shared; the others (the partly filled tail) are copied, so neither sequence
   // ever writes into a shared page. NOT_FOUND for an unknown id; new_id as in
   // CreateSequence (field "new_sequence_id"); RESOURCE_EXHAUSTED when the copies do not
-  // fit, changing nothing.
+  // fit, changing nothing. The copies are issued now (on the storage's stream): rows
+  // reserved by ReserveAppend but not yet written are copied as they are at that point,
+  // so fork a sequence only when its reserved rows have been written (or enqueued
+  // earlier on the same stream).
   absl::StatusOr<Sequence*> Fork(absl::string_view id, absl::string_view new_id);
   // Drops the sequence; returns the pages actually freed (those no fork still holds).
   absl::StatusOr<int64_t> Release(absl::string_view id);
@@ -69,11 +76,14 @@ class KvCacheManager {
   // The decode path's two-phase append: reserves the pages (copy-on-write included),
   // commits the new length and writes into `slots` where the rows go, in order; the
   // backend writes the rows itself (for example one device scatter for the batch).
-  // `slots` must hold MaxAppendSlots(n) entries. Allocates nothing beyond amortised
-  // growth of the sequence's block table.
+  // Copy-on-write copies are issued now through the storage, so on CUDA they precede
+  // anything enqueued later on its stream. `slots` must hold MaxAppendSlots(n) entries.
+  // Allocates nothing beyond amortised growth of the sequence's block table, which may
+  // move it: read BlockTable() after the last reservation touching the sequence.
   absl::Status ReserveAppend(Sequence* seq, int layer, int n, AppendSlot* slots,
                              int* num_slots);
-  static constexpr int MaxAppendSlots(int n) { return n / kPageSize + 2; }
+  // Most runs n rows can span: ceil((63 + n) / 64), which is at most ceil(n / 64) + 1.
+  static constexpr int MaxAppendSlots(int n) { return (n + 2 * kPageSize - 2) / kPageSize; }
   // Sets a layer's length back to new_length (clamped to [0, Length]), freeing pages no
   // layer needs any more; undoes a ReserveAppend whose step failed. Rows past the new
   // length are garbage and later appends overwrite them.
@@ -82,7 +92,7 @@ class KvCacheManager {
   // Logical page ids, shared by every layer: layer l's storage pages are these plus
   // config().PageOffset(l). Its size is ceil(max layer length / 64).
   const std::vector<int32_t>& BlockTable(const Sequence* seq) const;
-  int64_t Length(const Sequence* seq, int layer) const;
+  int64_t Length(const Sequence* seq, int layer) const;  // 0 for a layer out of range
   const std::vector<int64_t>& Lengths(const Sequence* seq) const;
   const std::string& Id(const Sequence* seq) const;
   int64_t PagesOf(const Sequence* seq) const;

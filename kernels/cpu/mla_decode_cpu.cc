@@ -37,15 +37,53 @@ inline void ToFloat(DType dtype, const uint16_t* __restrict src, float* __restri
 }
 
 inline float Dot576(const float* __restrict a, const float* __restrict b) {
-  // Eight independent partial sums so the compiler can keep vector FMAs in flight.
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int d = 0; d < kHeadDimQK; d += 8)
-    for (int u = 0; u < 8; ++u) s[u] += a[d + u] * b[d + u];
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  // Sixteen independent partial sums so the compiler keeps vector FMAs in flight.
+  float s[16] = {};
+  for (int d = 0; d < kHeadDimQK; d += 16)
+    for (int u = 0; u < 16; ++u) s[u] += a[d + u] * b[d + u];
+  float t = 0.f;
+  for (int u = 0; u < 16; ++u) t += s[u];
+  return t;
 }
 
 inline void Axpy512(float alpha, const float* __restrict x, float* __restrict y) {
   for (int d = 0; d < kHeadDimV; ++d) y[d] += alpha * x[d];
+}
+
+// The hot loop: one block of up to 64 keys (already fp32) against every query row of
+// the item, with the online-softmax update. Built twice, for AVX2+FMA hosts and for any
+// x86-64, and picked at load time.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void AttendBlock(const float* __restrict q, const float* __restrict k, int n, int rows, const int* __restrict visible,
+                 float* __restrict scores, float* __restrict m, float* __restrict l, float* __restrict acc) {
+  for (int r = 0; r < rows; ++r) {
+    const int vis = std::min(n, visible[r]);
+    if (vis <= 0) continue;
+    const float* qr = q + size_t(r) * kHeadDimQK;
+    float* sc = scores + size_t(r) * kPageSize;
+    float mx = m[r];
+    for (int j = 0; j < vis; ++j) {
+      sc[j] = Dot576(qr, k + size_t(j) * kHeadDimQK);
+      mx = std::max(mx, sc[j]);
+    }
+    const float alpha = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+    float* a = acc + size_t(r) * kHeadDimV;
+    if (alpha != 1.f)
+      for (int d = 0; d < kHeadDimV; ++d) a[d] *= alpha;
+    float sum = 0.f;
+    for (int j = 0; j < vis; ++j) {
+      const float e = std::exp(sc[j] - mx);
+      sum += e;
+      Axpy512(e, k + size_t(j) * kHeadDimQK, a);
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = mx;
+  }
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void ToFloatRows(DType dtype, const uint16_t* __restrict src, int64_t src_stride, int n, float* __restrict dst) {
+  for (int j = 0; j < n; ++j) ToFloat(dtype, src + j * src_stride, dst + size_t(j) * kHeadDimQK, kHeadDimQK);
 }
 
 }  // namespace
@@ -186,13 +224,10 @@ void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scra
 
   const auto* q = static_cast<const uint16_t*>(p.q);
   int max_limit = 0;
-  int limits[kMaxHeadsPerKvHead * 16];  // rows <= 128 heads x s_q; s_q beyond 16 uses the vector below
-  std::vector<int> limits_big;
-  int* limit = limits;
-  if (rows > int(sizeof(limits) / sizeof(int))) {
-    limits_big.resize(rows);
-    limit = limits_big.data();
-  }
+  s.limit.resize(rows);
+  s.visible.resize(rows);
+  int* limit = s.limit.data();
+  int* visible = s.visible.data();
   for (int r = 0; r < rows; ++r) {
     const int i = r / group, h = item.kv_head * group + r % group;
     const uint16_t* src = q + item.batch * p.q_batch_stride + i * p.q_seq_stride + h * p.q_head_stride;
@@ -213,32 +248,9 @@ void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scra
     const int k1 = std::min(end, (page_idx + 1) * kPageSize);
     const int n = k1 - k0;
     const uint16_t* page = kv + int64_t{table[page_idx]} * p.kv_page_stride + item.kv_head * p.kv_head_stride;
-    for (int j = 0; j < n; ++j)
-      ToFloat(p.dtype, page + int64_t((k0 + j) % kPageSize) * p.kv_row_stride, s.k.data() + size_t(j) * kHeadDimQK,
-              kHeadDimQK);
-    for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, limit[r] - k0);
-      if (visible <= 0) continue;
-      const float* qr = s.q.data() + size_t(r) * kHeadDimQK;
-      float* sc = s.scores.data() + size_t(r) * kPageSize;
-      float mx = s.m[r];
-      for (int j = 0; j < visible; ++j) {
-        sc[j] = Dot576(qr, s.k.data() + size_t(j) * kHeadDimQK);
-        mx = std::max(mx, sc[j]);
-      }
-      const float alpha = std::exp(s.m[r] - mx);  // exp(-inf) = 0 on the first block
-      float* acc = s.acc.data() + size_t(r) * kHeadDimV;
-      if (alpha != 1.f)
-        for (int d = 0; d < kHeadDimV; ++d) acc[d] *= alpha;
-      float sum = 0.f;
-      for (int j = 0; j < visible; ++j) {
-        const float e = std::exp(sc[j] - mx);
-        sum += e;
-        Axpy512(e, s.k.data() + size_t(j) * kHeadDimQK, acc);
-      }
-      s.l[r] = s.l[r] * alpha + sum;
-      s.m[r] = mx;
-    }
+    ToFloatRows(p.dtype, page + int64_t(k0 % kPageSize) * p.kv_row_stride, p.kv_row_stride, n, s.k.data());
+    for (int r = 0; r < rows; ++r) visible[r] = limit[r] - k0;
+    AttendBlock(s.q.data(), s.k.data(), n, rows, visible, s.scores.data(), s.m.data(), s.l.data(), s.acc.data());
     k0 = k1;
   }
 

@@ -47,6 +47,7 @@ class CpuMlaDecoder {
     std::vector<float> scores;  // [rows, 64]
     std::vector<float> acc;     // [rows, 512]
     std::vector<float> m, l;    // [rows]
+    std::vector<int> limit, visible;  // [rows] keys each row may see
   };
 
   void ParallelFor(int n, const std::function<void(int, int)>& fn);  // fn(index, thread)
