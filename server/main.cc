@@ -43,7 +43,7 @@ ABSL_FLAG(int64_t, kv_pages, 0, "KV pool size in pages (64 tokens of every layer
 ABSL_FLAG(int64_t, kv_bytes, 0, "KV pool size in bytes (used when --kv_pages is 0)");
 ABSL_FLAG(double, kv_memory_fraction, 0.0,
           "KV pool as a fraction of free GPU memory (CUDA) or of RAM (CPU), used when the two above are 0; "
-          "with none of the three: 0.85 of GPU memory on CUDA, 1 GiB on CPU");
+          "with none of the three: 0.8 of free GPU memory on CUDA, 1 GiB on CPU");
 ABSL_FLAG(int, max_batch_size, 64, "most steps per attention launch");
 ABSL_FLAG(int, max_batch_tokens, 1024, "most query rows (sum of s_q) per launch");
 ABSL_FLAG(int, batch_window_us, 50, "how long an idle engine waits to fill a batch");
@@ -133,7 +133,7 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
     const bool gpu = o->backend == engine::BackendKind::kCuda ||
                      (o->backend == engine::BackendKind::kAuto && GpuDevicePresent());
     if (gpu) {
-      o->kv_memory_fraction = 0.85;
+      o->kv_memory_fraction = 0.8;
     } else {
       o->kv_bytes = int64_t{1} << 30;
     }
