@@ -153,11 +153,12 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
 }
 
 int Run() {
-  auto level = spdlog::level::from_str(absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level)));
-  spdlog::set_level(level);
-  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
-    return Fail("--log_level: expected trace, debug, info, warn, error or off");
+  const std::string level_name = absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level));
+  const auto level = spdlog::level::from_str(level_name);
+  if (level == spdlog::level::off && level_name != "off") {
+    return Fail("--log_level: '" + level_name + "'; expected trace, debug, info, warn, error or off");
   }
+  spdlog::set_level(level);
 
   engine::EngineOptions eo;
   if (std::string err = BuildEngineOptions(&eo); !err.empty()) return Fail(err);

@@ -10,6 +10,7 @@
 #include "server/client/client.h"
 #include "server/client/reference.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/tracker.h"
 
 namespace latentd::testing {
 namespace {
@@ -19,6 +20,11 @@ struct Shape {
   const char* dtype;
   int threads;
 };
+
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "layers " << s.layers << " h_q " << s.h_q << " h_kv " << s.h_kv << " " << s.dtype << ", " << s.threads
+      << " threads";
+}
 
 // Steps one thread sends per round, and rounds (a fork happens after the first).
 constexpr int kStepsPerRound = 12;
@@ -191,6 +197,35 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecodeTest,
                            return absl::StrCat("layers", p.param.layers, "_hq", p.param.h_q, "_hkv", p.param.h_kv,
                                                "_", p.param.dtype);
                          });
+
+}  // namespace
+}  // namespace latentd::testing
+
+namespace latentd::testing {
+namespace {
+
+// A stream that sends far more than --max_stream_inflight: the server pauses reading it
+// (gRPC flow control holds the client back) and resumes as results drain; nothing is
+// lost, reordered within a (sequence, layer), or wrong.
+TEST(DecodeFlowControlTest, StreamBeyondItsInflightLimit) {
+  Daemon daemon({"--num_layers=2", "--max_stream_inflight=3"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 4; ++i) {
+    auto s = tracker.NewSequence({50 * i, 7});
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
+  }
+  std::vector<v1::DecodeStep> steps;
+  for (int i = 0; i < 80; ++i) steps.push_back(tracker.Step(seqs[i % 4], (i / 4) % 2, 1 + i % 2, i % 3 == 0));
+  auto results = (*c)->DecodeAll(steps, 1);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), steps.size());
+  for (const auto& [id, r] : *results) EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+}
 
 }  // namespace
 }  // namespace latentd::testing
