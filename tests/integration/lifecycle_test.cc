@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/tls_cert.h"
 #include "tests/integration/tracker.h"
 
 namespace latentd::testing {
@@ -280,14 +281,14 @@ TEST(LifecycleTest, BearerTokenIsRequired) {
   EXPECT_EQ(*(*c)->Health(), "SERVING");  // health probes need no token
 }
 
+void WriteFile(const std::string& path, const std::string& data) { std::ofstream(path) << data; }
+
 TEST(LifecycleTest, TlsWithSelfSignedCertificate) {
   const std::string dir = TempDir("tls");
-  const std::string cmd = absl::StrCat(
-      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost ",
-      "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout ", dir, "/key.pem -out ", dir,
-      "/cert.pem > ", dir, "/openssl.log 2>&1");
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl (Debian package openssl) is needed:\n"
-                                         << ReadAll(dir + "/openssl.log");
+  std::string cert, key, error;
+  ASSERT_TRUE(MakeSelfSignedCertificate(&cert, &key, &error)) << error;
+  WriteFile(dir + "/cert.pem", cert);
+  WriteFile(dir + "/key.pem", key);
   Daemon daemon({"--tls_cert=" + dir + "/cert.pem", "--tls_key=" + dir + "/key.pem", "--auth_token=tls-token"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   EXPECT_TRUE(absl::StrContains(daemon.Log(), "tls on")) << daemon.Log();
@@ -303,7 +304,7 @@ TEST(LifecycleTest, TlsWithSelfSignedCertificate) {
   client::ClientOptions tls;
   tls.auth_token = "tls-token";
   tls.tls = true;
-  tls.tls_root_certs_pem = ReadAll(dir + "/cert.pem");
+  tls.tls_root_certs_pem = cert;
   tls.tls_server_name = "localhost";
   auto c = daemon.Connect(tls);
   ASSERT_TRUE(c.ok()) << c.status() << daemon.Log();
@@ -315,13 +316,10 @@ TEST(LifecycleTest, TlsWithSelfSignedCertificate) {
   EXPECT_TRUE(tracker.Check(r->begin()->second).ok()) << tracker.Check(r->begin()->second);
 
   // A certificate the client does not trust fails the handshake.
-  const std::string other = TempDir("tls-other");
-  ASSERT_EQ(std::system(absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost ",
-                                     "-keyout ", other, "/key.pem -out ", other, "/cert.pem > /dev/null 2>&1")
-                            .c_str()),
-            0);
+  std::string other_cert, other_key;
+  ASSERT_TRUE(MakeSelfSignedCertificate(&other_cert, &other_key, &error)) << error;
   client::ClientOptions untrusted = tls;
-  untrusted.tls_root_certs_pem = ReadAll(other + "/cert.pem");
+  untrusted.tls_root_certs_pem = other_cert;
   untrusted.target = daemon.target();
   EXPECT_FALSE(client::Client::Connect(untrusted, absl::Seconds(1)).ok());
 }
