@@ -54,6 +54,7 @@ ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "largest request message accepted; larger ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_stream_inflight, 1024, "unanswered steps per Decode stream before the server stops reading it");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
+ABSL_FLAG(int64_t, stats_interval_s, 60, "log engine stats this often while busy (0: never)");
 ABSL_FLAG(int64_t, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long accepted steps may take to finish");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key serves TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
@@ -224,21 +225,39 @@ int Run() {
     std::rename(tmp.c_str(), pf.c_str());
   }
 
-  // Idle-sequence TTL: a client that vanished leaks nothing for longer than this.
-  absl::Notification stop_ttl;
-  std::thread ttl_thread;
+  // Housekeeping thread: the idle-sequence TTL (a client that vanished leaks nothing for
+  // longer than this) and a periodic stats line.
+  absl::Notification stop_housekeeping;
   const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
-  if (ttl_s > 0) {
-    ttl_thread = std::thread([&] {
-      const absl::Duration ttl = absl::Seconds(ttl_s);
-      // Fine enough for short test TTLs, rare enough not to contend with the scheduler.
-      const absl::Duration period = std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(10));
-      while (!stop_ttl.WaitForNotificationWithTimeout(period)) {
+  const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
+  std::thread housekeeping([&] {
+    const absl::Duration ttl = absl::Seconds(ttl_s);
+    // Fine enough for short test TTLs, rare enough not to contend with the scheduler.
+    const absl::Duration period =
+        ttl_s > 0 ? std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)) : absl::Seconds(1);
+    absl::Time next_stats = absl::Now() + absl::Seconds(stats_s);
+    uint64_t last_steps = 0;
+    while (!stop_housekeeping.WaitForNotificationWithTimeout(period)) {
+      if (ttl_s > 0) {
         const int released = engine->ReleaseIdleSequences(ttl);
         if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);
       }
-    });
-  }
+      if (stats_s > 0 && absl::Now() >= next_stats) {
+        next_stats = absl::Now() + absl::Seconds(stats_s);
+        const engine::EngineMetrics m = engine->Metrics();
+        if (m.steps_completed == last_steps) continue;  // quiet while idle
+        last_steps = m.steps_completed;
+        spdlog::info(
+            "stats: {:.0f} steps/s, {} steps, {} batches | queue wait p50/p99 {:.0f}/{:.0f} us, exec p50/p99 "
+            "{:.0f}/{:.0f} us | {} sequences, pages {} used {} free | rejected: queue {} pages {} invalid {} "
+            "deadline {} cancelled {} | {} streams",
+            m.steps_per_second, m.steps_completed, m.batches, m.queue_wait_us_p50, m.queue_wait_us_p99,
+            m.exec_us_p50, m.exec_us_p99, m.sequences, m.pages_used, m.pages_free, m.rejected_queue_full,
+            m.rejected_out_of_pages, m.rejected_invalid, m.rejected_deadline, m.dropped_cancelled,
+            service.OpenStreams());
+      }
+    }
+  });
 
   // SIGTERM/SIGINT are blocked in every thread (see main) and taken here.
   sigset_t signals;
@@ -267,8 +286,8 @@ int Run() {
     std::_Exit(1);
   }
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  stop_ttl.Notify();
-  if (ttl_thread.joinable()) ttl_thread.join();
+  stop_housekeeping.Notify();
+  housekeeping.join();
   spdlog::info("drained in {:.3f}s: {} steps completed in total; exiting", absl::ToDoubleSeconds(absl::Now() - drain_start),
                m.steps_completed);
   server.reset();
