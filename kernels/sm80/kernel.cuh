@@ -78,6 +78,14 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
   return r;
 }
 
+// Low part of a bf16 split: x - bf16(x), so that bf16(x) + PackLow(x) carries ~16 bits.
+__device__ __forceinline__ uint32_t PackLowBf16(float lo, float hi, uint32_t packed_high) {
+  const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&packed_high);
+  const float2 f = __bfloat1622float2(h);
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo - f.x, hi - f.y);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // Element offset of (row, 16-byte chunk) in a [rows][576] swizzled tile. A row is 72
 // chunks = 1152 bytes, a multiple of 128, so without the XOR the 8 rows of an ldmatrix
 // would all hit the same banks.
@@ -336,15 +344,27 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
     }
 
     // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
+    // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
+    // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a
+    // low bf16 part and multiplied twice (fp16's 11 bits need no split).
+    constexpr bool kSplitP = kDType == DType::kBF16;
 #pragma unroll
     for (int kk = 0; kk < kNT / 2; ++kk) {
-      uint32_t pa[kMT][4];
+      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        pa[mt][0] = Pack2<kDType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = Pack2<kDType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = Pack2<kDType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = Pack2<kDType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        const float* x0 = s[mt][2 * kk];
+        const float* x1 = s[mt][2 * kk + 1];
+        pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
+        pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
+        pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
+        pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
+        if constexpr (kSplitP) {
+          pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
+          pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
+          pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
+          pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
+        }
       }
       const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -355,6 +375,10 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
         for (int mt = 0; mt < kMT; ++mt) {
           Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
           Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+          if constexpr (kSplitP) {
+            Mma<kDType>(acc[mt][2 * np], pl[mt], vb[0], vb[1]);
+            Mma<kDType>(acc[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+          }
         }
       }
     }
