@@ -143,15 +143,24 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
 
 // Fewest keys worth a partition of its own: below this the prologue (Q load, pipeline
 // fill) and the combine row cost more than the keys' streaming time.
-constexpr int kMinKeysPerSplit = 128;
+#ifndef LATENTD_MIN_KEYS_PER_SPLIT  // overridable only to build tuning variants
+#define LATENTD_MIN_KEYS_PER_SPLIT 128
+#endif
+constexpr int kMinKeysPerSplit = LATENTD_MIN_KEYS_PER_SPLIT;
 
 int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
 
+// Calls with at most this many keys over all (sequence, KV head, row tile) streams are
+// latency-bound: one page per partition then beats fewer, longer partitions (measured,
+// docs/kernel-tuning.md round 2).
+constexpr int64_t kSmallCallKeys = 8192;
+
 // Partitions per sequence: fill the device's resident CTA slots once, never more than
-// one wave, and never below kMinKeysPerSplit keys each.
+// one wave, and never below kMinKeysPerSplit keys each (one page for small calls).
 void ChooseSplits(int slots, int streams, int max_len, int* num_splits, int* keys_per_split) {
   const int target = std::max(1, slots / std::max(1, streams));
-  const int by_len = std::max(1, (max_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  const int min_keys = int64_t(streams) * max_len <= kSmallCallKeys ? kPageSize : kMinKeysPerSplit;
+  const int by_len = std::max(1, (max_len + min_keys - 1) / min_keys);
   int splits = std::min(target, by_len);
   int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kPageSize);
   splits = std::max(1, (max_len + kps - 1) / kps);
