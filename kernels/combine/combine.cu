@@ -13,10 +13,10 @@
 namespace latentd::kernels::sm80 {
 namespace {
 
-constexpr int kMaxCombineWarps = 8;
+constexpr int kMaxCombineWarps = 16;
 constexpr int kColsPerCta = 128;  // 32 lanes x float4
 constexpr int kChunks = kHeadDimV / kColsPerCta;
-constexpr int kUnroll = 4;  // partitions whose loads are in flight together per warp
+constexpr int kUnroll = 8;  // partitions whose loads are in flight together per warp
 
 // Online merge of one partition (lse lp, normalised output o) into (m, s, acc).
 __device__ __forceinline__ void Merge(float lp, const float4& o, float& m, float& s, float4& acc) {
@@ -46,9 +46,6 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   const MlaDecodeParams& p = args.p;
   const int rows_total = p.h_q * p.s_q;
   const int b = blockIdx.x / rows_total, r = blockIdx.x % rows_total;
-  const int seqlen = p.seqlens[b];
-  const int n = (seqlen + args.keys_per_split - 1) / args.keys_per_split;
-  if (n <= 1) return;  // written directly by the decode kernel
 
   __shared__ float4 part_acc[kMaxCombineWarps][32];
   __shared__ float part_m[kMaxCombineWarps], part_s[kMaxCombineWarps];
@@ -57,20 +54,34 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   const int64_t first = int64_t(b) * args.num_splits * rows_total + r;  // partition 0 of this row
   const int col = blockIdx.y * kColsPerCta + lane * 4;
 
-  float m = -INFINITY, s = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int i0 = warp; i0 < n; i0 += warps * kUnroll) {
-    float lp[kUnroll];
-    float4 o[kUnroll];
+  // The first round of partial loads is issued before seqlens is known (bounded by the
+  // grid's partition count; slots past this sequence's count are read but not merged),
+  // so the seqlens load and the partial loads share one memory round trip.
+  float lp[kUnroll];
+  float4 o[kUnroll];
+  auto load_round = [&](int i0, int bound) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = i0 + u * warps;
       const int64_t pr = first + int64_t(i) * rows_total;
-      lp[u] = i < n ? args.lse_part[pr] : -INFINITY;
-      o[u] = i < n ? *reinterpret_cast<const float4*>(args.o_part + pr * kHeadDimV + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+      lp[u] = i < bound ? args.lse_part[pr] : -INFINITY;
+      o[u] = i < bound ? *reinterpret_cast<const float4*>(args.o_part + pr * kHeadDimV + col) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+  };
+  load_round(warp, args.num_splits);
+  const int seqlen = p.seqlens[b];
+  const int n = (seqlen + args.keys_per_split - 1) / args.keys_per_split;
+  if (n <= 1) return;  // written directly by the decode kernel
+
+  float m = -INFINITY, s = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i0 = warp;;) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) Merge(lp[u], o[u], m, s, acc);
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * warps < n) Merge(lp[u], o[u], m, s, acc);
+    i0 += warps * kUnroll;
+    if (i0 >= n) break;
+    load_round(i0, n);
   }
   part_acc[warp][lane] = acc;
   if (lane == 0) {
