@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q;
   const int kvh = r / rows_kv, rl = r % rows_kv;
   const int token = rl / group, head = kvh * group + rl % group;
-  uint16_t* o = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(token) * p.out_seq_stride +
+  uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(token) * p.out_seq_stride +
                 int64_t(head) * p.out_head_stride + col;
   uint32_t lo, hi;
   if constexpr (kDType == DType::kBF16) {
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
     lo = *reinterpret_cast<uint32_t*>(&a);
     hi = *reinterpret_cast<uint32_t*>(&c);
   }
-  *reinterpret_cast<uint2*>(o) = make_uint2(lo, hi);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
   if (blockIdx.y == 0 && lane == 0) p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
 }
 
