@@ -13,7 +13,7 @@
 namespace latentd::kernels::sm80 {
 namespace {
 
-constexpr int kMaxCombineWarps = 16;
+constexpr int kMaxCombineWarps = 32;
 constexpr int kColsPerCta = 128;  // 32 lanes x float4
 constexpr int kChunks = kHeadDimV / kColsPerCta;
 constexpr int kUnroll = 8;  // partitions whose loads are in flight together per warp
