@@ -158,15 +158,18 @@ static_assert(kSplitGranularity % sm80::TileConfig<16>::kKeys == 0 &&
               "partition granularity must be whole KV tiles within a page");
 
 // Calls with at most this many keys over all (sequence, KV head, row tile) streams are
-// latency-bound: one KV tile per partition then beats fewer, longer partitions
-// (docs/kernel-tuning.md, rounds 2 and 5).
+// latency-bound: short partitions then beat fewer, longer ones (docs/kernel-tuning.md,
+// rounds 2 and 5).
 constexpr int64_t kSmallCallKeys = 8192;
 
 // Partitions per sequence: fill the device's resident CTA slots once, never more than
-// one wave, and never below kMinKeysPerSplit keys each (32 keys for small calls).
+// one wave, and never below kMinKeysPerSplit keys each (fewer for small calls).
 void ChooseSplits(int slots, int streams, int max_len, int* num_splits, int* keys_per_split) {
   const int target = std::max(1, slots / std::max(1, streams));
-  const int min_keys = int64_t(streams) * max_len <= kSmallCallKeys ? kSplitGranularity : kMinKeysPerSplit;
+  // Small calls: one-page partitions; 32-key ones only while that makes at most 8
+  // partitions, since each partition adds combine work (both measured in round 5).
+  const bool small = int64_t(streams) * max_len <= kSmallCallKeys;
+  const int min_keys = !small ? kMinKeysPerSplit : max_len <= 8 * kSplitGranularity ? kSplitGranularity : kPageSize;
   const int by_len = std::max(1, (max_len + min_keys - 1) / min_keys);
   int splits = std::min(target, by_len);
   int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kSplitGranularity);
