@@ -251,6 +251,7 @@ class EngineImpl final : public Engine {
       batch.entries.push_back(e);
       batch.tokens += s->s_q;
     }
+    queue_.Done(static_cast<int>(pending_.size() - keep));
     pending_.resize(keep);
     batch.formed_at = now;
   }
@@ -317,7 +318,7 @@ class EngineImpl final : public Engine {
     Batch* inflight = nullptr;
     int slot = 0;
     for (;;) {
-      if (stop_.load() && queue_.size() == 0 && pending_.empty() && inflight == nullptr) break;
+      if (stop_.load() && queue_.size() == 0 && inflight == nullptr) break;
       if (pending_.empty() && inflight == nullptr) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
       Collect();
       // An idle engine waits a short window for more steps to fill the batch.

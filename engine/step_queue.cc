@@ -30,6 +30,7 @@ absl::Status StepQueue::Push(DecodeStep* step, uint64_t shard_key) {
     step->engine_private = reinterpret_cast<void*>(next_arrival_.fetch_add(1, std::memory_order_relaxed));
     s.ring[(s.head + s.count) % s.ring.size()] = step;
     ++s.count;
+    in_shards_.fetch_add(1);  // under the shard lock, so a drain never sees it negative
   }
   if (consumer_waiting_.load()) {
     absl::MutexLock lock(&wake_mu_);
@@ -49,7 +50,7 @@ int StepQueue::DrainInto(std::vector<DecodeStep*>* out) {
     }
   }
   const int n = static_cast<int>(out->size() - first);
-  size_.fetch_sub(n);
+  in_shards_.fetch_sub(n);
   std::sort(out->begin() + first, out->end(),
             [](const DecodeStep* a, const DecodeStep* b) { return Arrival(a) < Arrival(b); });
   return n;
@@ -58,12 +59,12 @@ int StepQueue::DrainInto(std::vector<DecodeStep*>* out) {
 bool StepQueue::WaitForWork(absl::Time deadline) {
   absl::MutexLock lock(&wake_mu_);
   consumer_waiting_.store(true);
-  while (size_.load() == 0 && !woken_) {
+  while (in_shards_.load() == 0 && !woken_) {
     if (wake_cv_.WaitWithDeadline(&wake_mu_, deadline)) break;
   }
   woken_ = false;
   consumer_waiting_.store(false);
-  return size_.load() > 0;
+  return in_shards_.load() > 0;
 }
 
 void StepQueue::Wake() {

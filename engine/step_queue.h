@@ -23,12 +23,17 @@ class StepQueue {
   absl::Status Push(DecodeStep* step, uint64_t shard_key);
 
   // Moves every queued step into out (appended), ordered by arrival. Returns the count.
+  // Drained steps still count against the capacity until Done: the bound covers every
+  // step accepted and not yet launched or dropped, wherever it waits.
   int DrainInto(std::vector<DecodeStep*>* out);
+  // n drained steps left the engine's waiting list (launched or dropped).
+  void Done(int n) { size_.fetch_sub(n); }
 
   // Blocks until a push happens or the deadline passes; returns true if steps are queued.
   bool WaitForWork(absl::Time deadline);
   void Wake();  // wakes a waiting consumer (shutdown)
 
+  // Steps accepted and not yet Done.
   int64_t size() const { return size_.load(std::memory_order_relaxed); }
   int capacity() const { return capacity_; }
 
@@ -45,7 +50,8 @@ class StepQueue {
 
   const int capacity_;
   std::vector<Shard> shards_;
-  std::atomic<int64_t> size_{0};
+  std::atomic<int64_t> size_{0};     // accepted, not yet Done (the capacity bound)
+  std::atomic<int64_t> in_shards_{0};  // pushed, not yet drained (wakes the consumer)
   std::atomic<uint64_t> next_arrival_{1};
 
   // The consumer sleeps here only when every shard is empty.

@@ -19,6 +19,10 @@ TEST(StepQueue, BoundedAndOrderedAcrossShards) {
   EXPECT_EQ(q.DrainInto(&out), 5);
   ASSERT_EQ(out.size(), 5u);
   for (int i = 0; i < 5; ++i) EXPECT_EQ(out[i], &steps[i]) << i;
+  // Drained steps hold their place until the consumer is done with them.
+  EXPECT_EQ(q.size(), 5);
+  EXPECT_TRUE(absl::IsResourceExhausted(q.Push(&steps[5], 1)));
+  q.Done(5);
   EXPECT_EQ(q.size(), 0);
   EXPECT_TRUE(q.Push(&steps[5], 1).ok());
 }

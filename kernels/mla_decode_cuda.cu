@@ -143,17 +143,36 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
 
 // Fewest keys worth a partition of its own: below this the prologue (Q load, pipeline
 // fill) and the combine row cost more than the keys' streaming time.
-constexpr int kMinKeysPerSplit = 128;
+#ifndef LATENTD_MIN_KEYS_PER_SPLIT  // overridable only to build tuning variants
+#define LATENTD_MIN_KEYS_PER_SPLIT 128
+#endif
+constexpr int kMinKeysPerSplit = LATENTD_MIN_KEYS_PER_SPLIT;
 
 int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
 
+// Partition boundaries are multiples of this many keys: a multiple of every tile
+// configuration's KV tile, so no tile straddles two partitions (or two pages).
+constexpr int kSplitGranularity = 32;
+static_assert(kSplitGranularity % sm80::TileConfig<16>::kKeys == 0 &&
+                  kSplitGranularity % sm80::TileConfig<32>::kKeys == 0 && kPageSize % kSplitGranularity == 0,
+              "partition granularity must be whole KV tiles within a page");
+
+// Calls with at most this many keys over all (sequence, KV head, row tile) streams are
+// latency-bound: short partitions then beat fewer, longer ones (docs/kernel-tuning.md,
+// rounds 2 and 5).
+constexpr int64_t kSmallCallKeys = 8192;
+
 // Partitions per sequence: fill the device's resident CTA slots once, never more than
-// one wave, and never below kMinKeysPerSplit keys each.
+// one wave, and never below kMinKeysPerSplit keys each (fewer for small calls).
 void ChooseSplits(int slots, int streams, int max_len, int* num_splits, int* keys_per_split) {
   const int target = std::max(1, slots / std::max(1, streams));
-  const int by_len = std::max(1, (max_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  // Small calls: one-page partitions; 32-key ones only while that makes at most 8
+  // partitions, since each partition adds combine work (both measured in round 5).
+  const bool small = int64_t(streams) * max_len <= kSmallCallKeys;
+  const int min_keys = !small ? kMinKeysPerSplit : max_len <= 8 * kSplitGranularity ? kSplitGranularity : kPageSize;
+  const int by_len = std::max(1, (max_len + min_keys - 1) / min_keys);
   int splits = std::min(target, by_len);
-  int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kPageSize);
+  int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kSplitGranularity);
   splits = std::max(1, (max_len + kps - 1) / kps);
   *num_splits = splits;
   *keys_per_split = kps;
@@ -166,8 +185,8 @@ size_t PartialFloats(const MlaDecodeParams& p, int num_splits) {
 Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
   if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16 or 32 (use PlanDecode)");
   if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
-  if (plan.keys_per_split < kPageSize || plan.keys_per_split % kPageSize != 0)
-    return Status::Invalid("plan.keys_per_split: expected a positive multiple of 64");
+  if (plan.keys_per_split < kSplitGranularity || plan.keys_per_split % kSplitGranularity != 0)
+    return Status::Invalid("plan.keys_per_split: expected a positive multiple of " + std::to_string(kSplitGranularity));
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   if (plan.row_tiles != (rows + plan.tile_rows - 1) / plan.tile_rows)
     return Status::Invalid("plan.row_tiles does not match the params' head counts and s_q");

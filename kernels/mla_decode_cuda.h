@@ -33,7 +33,7 @@ struct DecodePlan {
   int row_tiles = 0;        // CTAs along the rows of one (sequence, KV head)
   int ctas_per_sm = 0;      // resident CTAs per SM of the chosen kernel on this device
   int num_splits = 1;       // partitions per sequence (grid dimension); 1 = no combine
-  int keys_per_split = 0;   // keys per partition, a multiple of kPageSize
+  int keys_per_split = 0;   // keys per partition, a multiple of 32
   int threads = 0;          // threads per CTA
   int smem_bytes = 0;       // dynamic shared memory per CTA
 };

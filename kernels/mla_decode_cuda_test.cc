@@ -259,6 +259,7 @@ TEST(GpuDecode, ManySplits) {
   s.causal = true;
   s.seqlens = {3, 0, 777, 2049};
   Check(s, rng, 128);
+  Check(s, rng, 32);  // the smallest partition the planner makes: one 32-key tile
 }
 
 TEST(GpuDecode, PlannerAndErrors) {
@@ -291,7 +292,7 @@ TEST(GpuDecode, PlannerAndErrors) {
   plan.num_splits = 4;
   plan.keys_per_split = 1024;
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kWorkspaceTooSmall);
-  plan.keys_per_split = 100;
+  plan.keys_per_split = 100;  // not whole KV tiles
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kInvalidArgument);
 
   TileOccupancy tiles[4];

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/sm80/launch.h"
@@ -12,80 +13,109 @@
 namespace latentd::kernels::sm80 {
 namespace {
 
-constexpr int kCombineWarps = 8;
-constexpr int kCombineThreads = kCombineWarps * 32;
+constexpr int kMaxCombineWarps = 32;
 constexpr int kColsPerCta = 128;  // 32 lanes x float4
 constexpr int kChunks = kHeadDimV / kColsPerCta;
+constexpr int kUnroll = 8;  // partitions whose loads are in flight together per warp
 
-__device__ __forceinline__ float BlockReduce(float v, float* red, bool is_max) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, u) : v + u;
+// Online merge of one partition (lse lp, normalised output o) into (m, s, acc).
+__device__ __forceinline__ void Merge(float lp, const float4& o, float& m, float& s, float4& acc) {
+  if (lp == -INFINITY) return;  // a partition whose rows saw no keys
+  if (lp > m) {
+    const float c = __expf(m - lp);  // m = -inf gives 0
+    acc.x *= c;
+    acc.y *= c;
+    acc.z *= c;
+    acc.w *= c;
+    s *= c;
+    m = lp;
   }
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float r = red[0];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
-  __syncthreads();
-  return r;
+  const float w = __expf(lp - m);
+  acc.x = fmaf(w, o.x, acc.x);
+  acc.y = fmaf(w, o.y, acc.y);
+  acc.z = fmaf(w, o.z, acc.z);
+  acc.w = fmaf(w, o.w, acc.w);
+  s += w;
 }
 
-// grid: (b * h_q * s_q rows, kChunks column chunks). Warps split the partitions.
+// grid: (b * h_q * s_q rows, kChunks column chunks); block: one warp per partition
+// group. Each lane keeps a running (max, sum, 4 columns) over its warp's partitions
+// with no block-wide reduction; the warps' states merge once through shared memory.
 template <DType kDType>
-__global__ void __launch_bounds__(kCombineThreads) CombineKernel(const CombineArgs args) {
+__global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const CombineArgs args) {
   const MlaDecodeParams& p = args.p;
   const int rows_total = p.h_q * p.s_q;
   const int b = blockIdx.x / rows_total, r = blockIdx.x % rows_total;
+
+  __shared__ float4 part_acc[kMaxCombineWarps][32];
+  __shared__ float part_m[kMaxCombineWarps], part_s[kMaxCombineWarps];
+  const int warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t first = int64_t(b) * args.num_splits * rows_total + r;  // partition 0 of this row
+  const int col = blockIdx.y * kColsPerCta + lane * 4;
+
+  // The first round of partial loads is issued before seqlens is known (bounded by the
+  // grid's partition count; slots past this sequence's count are read but not merged),
+  // so the seqlens load and the partial loads share one memory round trip.
+  float lp[kUnroll];
+  float4 o[kUnroll];
+  auto load_round = [&](int i0, int bound) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * warps;
+      const int64_t pr = first + int64_t(i) * rows_total;
+      lp[u] = i < bound ? args.lse_part[pr] : -INFINITY;
+      o[u] = i < bound ? *reinterpret_cast<const float4*>(args.o_part + pr * kHeadDimV + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load_round(warp, args.num_splits);
   const int seqlen = p.seqlens[b];
   const int n = (seqlen + args.keys_per_split - 1) / args.keys_per_split;
   if (n <= 1) return;  // written directly by the decode kernel
 
-  __shared__ float red[kCombineWarps];
-  __shared__ float4 part[kCombineWarps][32];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t first = int64_t(b) * args.num_splits * rows_total + r;  // partition 0 of this row
-  const float* lse_p = args.lse_part + first;
-
-  float mx = -INFINITY;
-  for (int i = tid; i < n; i += kCombineThreads) mx = fmaxf(mx, lse_p[int64_t(i) * rows_total]);
-  mx = BlockReduce(mx, red, true);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-  for (int i = tid; i < n; i += kCombineThreads) sum += __expf(lse_p[int64_t(i) * rows_total] - m_use);
-  sum = BlockReduce(sum, red, false);
-  const float lse = sum > 0.f ? m_use + logf(sum) : -INFINITY;
-
-  const int col = blockIdx.y * kColsPerCta + lane * 4;
+  float m = -INFINITY, s = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (sum > 0.f) {
-    for (int i = warp; i < n; i += kCombineWarps) {
-      const float w = __expf(lse_p[int64_t(i) * rows_total] - lse);
-      const float4 o = *reinterpret_cast<const float4*>(args.o_part + (first + int64_t(i) * rows_total) * kHeadDimV + col);
-      acc.x = fmaf(w, o.x, acc.x);
-      acc.y = fmaf(w, o.y, acc.y);
-      acc.z = fmaf(w, o.z, acc.z);
-      acc.w = fmaf(w, o.w, acc.w);
-    }
+  for (int i0 = warp;;) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + u * warps < n) Merge(lp[u], o[u], m, s, acc);
+    i0 += warps * kUnroll;
+    if (i0 >= n) break;
+    load_round(i0, n);
   }
-  part[warp][lane] = acc;
+  part_acc[warp][lane] = acc;
+  if (lane == 0) {
+    part_m[warp] = m;
+    part_s[warp] = s;
+  }
   __syncthreads();
   if (warp != 0) return;
-  float4 t = part[0][lane];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) {
-    t.x += part[w][lane].x;
-    t.y += part[w][lane].y;
-    t.z += part[w][lane].z;
-    t.w += part[w][lane].w;
+  float mx = -INFINITY;
+  for (int w = 0; w < warps; ++w) mx = fmaxf(mx, part_m[w]);
+  float sum = 0.f;
+  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY) {
+    for (int w = 0; w < warps; ++w) {
+      if (part_m[w] == -INFINITY) continue;
+      const float c = __expf(part_m[w] - mx);
+      sum = fmaf(part_s[w], c, sum);
+      t.x = fmaf(part_acc[w][lane].x, c, t.x);
+      t.y = fmaf(part_acc[w][lane].y, c, t.y);
+      t.z = fmaf(part_acc[w][lane].z, c, t.z);
+      t.w = fmaf(part_acc[w][lane].w, c, t.w);
+    }
   }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  t.x *= inv;
+  t.y *= inv;
+  t.z *= inv;
+  t.w *= inv;
+  const float lse = sum > 0.f ? mx + logf(sum) : -INFINITY;
   // Row r = kv head * (group * s_q) + token * group + head within the group.
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q;
   const int kvh = r / rows_kv, rl = r % rows_kv;
   const int token = rl / group, head = kvh * group + rl % group;
-  uint16_t* o = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(token) * p.out_seq_stride +
+  uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(token) * p.out_seq_stride +
                 int64_t(head) * p.out_head_stride + col;
   uint32_t lo, hi;
   if constexpr (kDType == DType::kBF16) {
@@ -97,7 +127,7 @@ __global__ void __launch_bounds__(kCombineThreads) CombineKernel(const CombineAr
     lo = *reinterpret_cast<uint32_t*>(&a);
     hi = *reinterpret_cast<uint32_t*>(&c);
   }
-  *reinterpret_cast<uint2*>(o) = make_uint2(lo, hi);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
   if (blockIdx.y == 0 && lane == 0) p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
 }
 
@@ -108,10 +138,12 @@ cudaError_t LaunchCombineKernel(const CombineArgs& args, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(rows), kChunks);
+  // One warp per partition group: few partitions need few warps.
+  const int threads = 32 * std::max(1, std::min(kMaxCombineWarps, args.num_splits));
   if (args.p.dtype == DType::kBF16) {
-    CombineKernel<DType::kBF16><<<grid, kCombineThreads, 0, stream>>>(args);
+    CombineKernel<DType::kBF16><<<grid, threads, 0, stream>>>(args);
   } else if (args.p.dtype == DType::kFP16) {
-    CombineKernel<DType::kFP16><<<grid, kCombineThreads, 0, stream>>>(args);
+    CombineKernel<DType::kFP16><<<grid, threads, 0, stream>>>(args);
   } else {
     return cudaErrorInvalidValue;
   }

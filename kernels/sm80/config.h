@@ -23,11 +23,15 @@ struct TileConfig;
 // Few rows (h_q / h_kv * s_q <= 16): memory-bound. Q lives in registers (36 per thread),
 // leaving shared memory for 32-key tiles in 2 stages: 2 x 36 KB + 8 KB of partial
 // scores = 80 KB, so 2 CTAs fit in A100's 164 KB. 32 keys per online-softmax rescale.
+#ifndef LATENTD_TILE16_KEYS  // overridable only to build tuning variants
+#define LATENTD_TILE16_KEYS 32
+#define LATENTD_TILE16_STAGES 2
+#endif
 template <>
 struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
-  static constexpr int kKeys = 32;   // keys per staged KV tile (and per softmax step)
-  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kKeys = LATENTD_TILE16_KEYS;      // keys per staged KV tile (and per softmax step)
+  static constexpr int kStages = LATENTD_TILE16_STAGES;  // cp.async pipeline depth
   static constexpr bool kQInRegisters = true;
 };
 

@@ -78,6 +78,14 @@ __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
   return r;
 }
 
+// Low part of a bf16 split: x - bf16(x), so that bf16(x) + PackLow(x) carries ~16 bits.
+__device__ __forceinline__ uint32_t PackLowBf16(float lo, float hi, uint32_t packed_high) {
+  const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&packed_high);
+  const float2 f = __bfloat1622float2(h);
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo - f.x, hi - f.y);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // Element offset of (row, 16-byte chunk) in a [rows][576] swizzled tile. A row is 72
 // chunks = 1152 bytes, a multiple of 128, so without the XOR the 8 rows of an ldmatrix
 // would all hit the same banks.
@@ -130,10 +138,11 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
   const int32_t* table = p.block_table + int64_t(b) * p.block_table_batch_stride;
   const int64_t kv_head_off = int64_t(kvh) * p.kv_head_stride;
 
-  // Copies KV tile t into stage s: kN keys x 72 chunks, spread over all threads.
-  auto load_tile = [&](int t, int s) {
+  // Page of KV tile t (a tile never straddles pages).
+  auto page_of = [&](int t) { return table[(key_begin + t * kN) / kPageSize]; };
+  // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads.
+  auto load_tile = [&](int t, int s, int page) {
     const int key0 = key_begin + t * kN;
-    const int page = table[key0 / kPageSize];
     const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
     const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
 #pragma unroll
@@ -154,8 +163,30 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
            int64_t(head) * p.q_head_stride;
   };
 
-  // Q: registers (16-row tile, this warp's 144 dims in A-fragment order) or shared memory.
+  // Q: shared memory (32-row tile, copied here) or registers (16-row tile, loaded below).
   uint32_t qf[Cfg::kQInRegisters ? kKSteps : 1][4];
+  if constexpr (!Cfg::kQInRegisters) {
+    const uint32_t dst0 = SmemAddr(&sm.q[0][0]);
+    for (int id = tid; id < kRows * (kHeadDimQK / 8); id += kThreads) {
+      const int r = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+      const bool valid = row0 + r < rows_kv;
+      const uint16_t* src = valid ? q_row_ptr(r) + chunk * 8 : static_cast<const uint16_t*>(p.q);
+      CpAsync16(dst0 + Swizzle(r, chunk) * 2, src, valid);
+    }
+  }
+
+  // Pipeline prologue. Q's copies (shared-memory Q) join the first group; Q in registers
+  // is loaded after the first KV copies are in flight.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s, page_of(s));
+    CpAsyncCommit();
+  }
+  // Page of the next tile to copy, read one iteration ahead so the block-table load is
+  // off the copy-issue path.
+  int next_page = kStages - 1 < num_tiles ? page_of(kStages - 1) : 0;
+
+  // Q in registers: this warp's 144 dims in A-fragment order.
   if constexpr (Cfg::kQInRegisters) {
     const int r = lane >> 2, c = (lane & 3) * 2;
     const bool v0 = row0 + r < rows_kv, v1 = row0 + r + 8 < rows_kv;
@@ -169,21 +200,6 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
       qf[ks][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
       qf[ks][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
     }
-  } else {
-    const uint32_t dst0 = SmemAddr(&sm.q[0][0]);
-    for (int id = tid; id < kRows * (kHeadDimQK / 8); id += kThreads) {
-      const int r = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
-      const bool valid = row0 + r < rows_kv;
-      const uint16_t* src = valid ? q_row_ptr(r) + chunk * 8 : static_cast<const uint16_t*>(p.q);
-      CpAsync16(dst0 + Swizzle(r, chunk) * 2, src, valid);
-    }
-  }
-
-  // Pipeline prologue (Q's copies, if any, join the first group).
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
-    CpAsyncCommit();
   }
 
   // Per-thread rows: m-tile mt, half h -> tile row mt*16 + lane/4 + 8h.
@@ -216,8 +232,9 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
   for (int t = 0; t < num_tiles; ++t) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
-    if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages);
+    if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages, next_page);
     CpAsyncCommit();
+    if (t + kStages < num_tiles) next_page = page_of(t + kStages);
     const int stage = t % kStages;
     const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
 
@@ -336,15 +353,27 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
     }
 
     // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
+    // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
+    // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a
+    // low bf16 part and multiplied twice (fp16's 11 bits need no split).
+    constexpr bool kSplitP = kDType == DType::kBF16;
 #pragma unroll
     for (int kk = 0; kk < kNT / 2; ++kk) {
-      uint32_t pa[kMT][4];
+      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        pa[mt][0] = Pack2<kDType>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = Pack2<kDType>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = Pack2<kDType>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = Pack2<kDType>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        const float* x0 = s[mt][2 * kk];
+        const float* x1 = s[mt][2 * kk + 1];
+        pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
+        pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
+        pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
+        pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
+        if constexpr (kSplitP) {
+          pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
+          pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
+          pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
+          pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
+        }
       }
       const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -355,6 +384,10 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
         for (int mt = 0; mt < kMT; ++mt) {
           Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
           Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+          if constexpr (kSplitP) {
+            Mma<kDType>(acc[mt][2 * np], pl[mt], vb[0], vb[1]);
+            Mma<kDType>(acc[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+          }
         }
       }
     }

@@ -11,7 +11,7 @@ namespace latentd::kernels::sm80 {
 // Everything one decode launch needs, passed by value as the kernel parameter.
 struct DecodeArgs {
   MlaDecodeParams p;       // device pointers
-  int keys_per_split = 0;  // multiple of kPageSize
+  int keys_per_split = 0;  // multiple of 32 (whole KV tiles)
   int num_splits = 1;      // grid.y
   int row_tiles = 1;       // grid.x
   float* o_part = nullptr;    // [b, num_splits, h_q * s_q, 512] fp32 partial outputs

@@ -1,0 +1,272 @@
+// MLA decode benchmark: measures a read-bandwidth ceiling, then per config the whole
+// decode (host planner + kernel + combine) and the decode kernel alone, median of many
+// runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
+// random numbers. Prints a markdown table.
+//   bench [--runs N] [--only b,h_q,s_k]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_kernels.h"
+#include "kernels/mla_decode_cuda.h"
+
+namespace latentd::bench {
+namespace {
+
+using kernels::DecodePlan;
+using kernels::DeviceInfo;
+using kernels::DType;
+using kernels::MlaDecodeParams;
+
+#define CHECK_CUDA(x)                                                                              \
+  do {                                                                                             \
+    cudaError_t e_ = static_cast<cudaError_t>(x);                                                  \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
+      std::exit(1);                                                                                \
+    }                                                                                              \
+  } while (0)
+
+#define CHECK_OK(x)                                                                   \
+  do {                                                                                \
+    kernels::Status s_ = (x);                                                         \
+    if (!s_.ok()) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_.message.c_str()); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Config {
+  int b, h_q, s_k;
+  DType dtype;
+};
+
+constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
+
+struct Result {
+  double whole_ms, kernel_ms;
+  DecodePlan plan;
+  int copies;
+};
+
+Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* pool, size_t pool_elems,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const int h_kv = 1, s_q = 1;
+  const int pages_per_seq = (c.s_k + kernels::kPageSize - 1) / kernels::kPageSize;
+  const size_t page_elems = size_t(kernels::kPageSize) * h_kv * kernels::kHeadDimQK;
+  const int64_t pool_pages = int64_t(pool_elems / page_elems);
+  const int64_t pages_per_copy = int64_t(c.b) * pages_per_seq;
+  if (pages_per_copy > pool_pages) {
+    std::fprintf(stderr, "config does not fit the KV pool\n");
+    std::exit(1);
+  }
+  const int copies = static_cast<int>(std::min<int64_t>(1024, pool_pages / pages_per_copy));
+
+  // Per copy: its own pages (a random permutation of a disjoint pool range) and its own q.
+  std::mt19937_64 rng(c.b * 1000003ull + c.h_q * 1009ull + c.s_k);
+  std::vector<int32_t> table(size_t(copies) * pages_per_copy);
+  for (int k = 0; k < copies; ++k) {
+    std::vector<int32_t> pages(pages_per_copy);
+    std::iota(pages.begin(), pages.end(), int32_t(k * pages_per_copy));
+    std::shuffle(pages.begin(), pages.end(), rng);
+    std::copy(pages.begin(), pages.end(), table.begin() + size_t(k) * pages_per_copy);
+  }
+  int32_t* d_table = nullptr;
+  int32_t* d_seqlens = nullptr;
+  uint16_t *d_q = nullptr, *d_out = nullptr;
+  float* d_lse = nullptr;
+  const size_t q_elems = size_t(c.b) * s_q * c.h_q * kernels::kHeadDimQK;
+  CHECK_CUDA(cudaMalloc(&d_table, table.size() * 4));
+  CHECK_CUDA(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> seqlens(c.b, c.s_k);
+  CHECK_CUDA(cudaMalloc(&d_seqlens, c.b * 4));
+  CHECK_CUDA(cudaMemcpy(d_seqlens, seqlens.data(), c.b * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&d_q, q_elems * copies * 2));
+  CHECK_CUDA(LaunchRandomFill(d_q, q_elems * copies, 777, c.dtype == DType::kBF16, stream));
+  CHECK_CUDA(cudaMalloc(&d_out, size_t(c.b) * s_q * c.h_q * kernels::kHeadDimV * 2));
+  CHECK_CUDA(cudaMalloc(&d_lse, size_t(c.b) * s_q * c.h_q * 4));
+
+  auto params = [&](int k) {
+    MlaDecodeParams p;
+    p.dtype = c.dtype;
+    p.batch = c.b;
+    p.s_q = s_q;
+    p.h_q = c.h_q;
+    p.h_kv = h_kv;
+    p.num_pages = static_cast<int>(pool_pages);
+    p.max_pages_per_seq = pages_per_seq;
+    p.softmax_scale = 1.0f / 24.0f;
+    p.causal = false;
+    kernels::SetContiguousStrides(&p);
+    p.q = d_q + q_elems * k;
+    p.kv = pool;
+    p.block_table = d_table + size_t(k) * pages_per_copy;
+    p.seqlens = d_seqlens;
+    p.out = d_out;
+    p.lse = d_lse;
+    return p;
+  };
+
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  Result r{};
+  r.copies = copies;
+  CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan));
+  if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
+    std::fprintf(stderr, "workspace too small\n");
+    std::exit(1);
+  }
+  std::vector<double> whole, kern;
+  for (int it = -5; it < runs; ++it) {  // whole call: planner + kernel + combine
+    const MlaDecodeParams p = params((it + 5) % copies);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    DecodePlan plan;
+    CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan));
+    CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (it >= 0) whole.push_back(ms);
+  }
+  for (int it = -5; it < runs; ++it) {  // the decode kernel alone, plan made beforehand
+    const MlaDecodeParams p = params((it + 5) % copies);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    CHECK_OK(kernels::LaunchDecodeKernel(p, r.plan, workspace, workspace_bytes, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (it >= 0) kern.push_back(ms);
+  }
+  r.whole_ms = Median(whole);
+  r.kernel_ms = Median(kern);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(d_table);
+  cudaFree(d_seqlens);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_lse);
+  return r;
+}
+
+int Main(int argc, char** argv) {
+  int runs = 100;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("bench: no CUDA GPU\n");
+    return 0;
+  }
+  DeviceInfo dev;
+  CHECK_OK(kernels::QueryDevice(0, &dev));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+
+  // Read-bandwidth ceiling: 4 GiB, 16-byte loads, median of 20.
+  const size_t ceil_bytes = size_t(4) << 30;
+  void* big = nullptr;
+  uint32_t* sink = nullptr;
+  CHECK_CUDA(cudaMalloc(&big, ceil_bytes));
+  CHECK_CUDA(cudaMalloc(&sink, 1 << 20));
+  CHECK_CUDA(LaunchRandomFill(static_cast<uint16_t*>(big), ceil_bytes / 2, 1, true, stream));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = -3; i < 20; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    CHECK_CUDA(LaunchReadKernel(big, ceil_bytes, sink, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 0) t.push_back(ms);
+  }
+  const double ceiling = ceil_bytes / (Median(t) * 1e-3) / 1e9;
+  CHECK_CUDA(cudaFree(big));
+
+  uint16_t* pool = nullptr;
+  CHECK_CUDA(cudaMalloc(&pool, kPoolBytes));
+  const size_t pool_elems = kPoolBytes / 2;
+
+  std::vector<Config> configs = {
+      {64, 16, 4096, DType::kBF16},   {1, 64, 4096, DType::kBF16},    {64, 16, 1024, DType::kBF16},
+      {1, 16, 16384, DType::kBF16},   {1, 16, 256, DType::kBF16},     {1, 16, 1024, DType::kBF16},
+      {1, 16, 4096, DType::kBF16},    {1, 16, 65536, DType::kBF16},   {4, 16, 1024, DType::kBF16},
+      {4, 16, 4096, DType::kBF16},    {16, 16, 1024, DType::kBF16},   {16, 16, 4096, DType::kBF16},
+      {64, 128, 4096, DType::kBF16},  {128, 128, 2048, DType::kBF16}, {32, 64, 8192, DType::kBF16},
+      {64, 16, 4096, DType::kFP16},   {1, 16, 65536, DType::kFP16},   {64, 128, 4096, DType::kFP16},
+  };
+  size_t ws_bytes = 0;
+  for (const auto& c : configs)
+    ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, 1, c.h_q, 1));
+  void* ws = nullptr;
+  CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
+
+  kernels::TileOccupancy tiles[2][4];
+  int ntiles[2] = {0, 0};
+  CHECK_OK(kernels::DescribeTiles(dev, DType::kBF16, tiles[0], 4, &ntiles[0]));
+  CHECK_OK(kernels::DescribeTiles(dev, DType::kFP16, tiles[1], 4, &ntiles[1]));
+
+  std::printf("GPU: %s, %d SMs, cc %d.%d\n", dev.name, dev.sm_count, dev.cc_major, dev.cc_minor);
+  std::printf("read ceiling (4 GiB, 16-byte loads, median of 20): %.0f GB/s\n", ceiling);
+  for (int d = 0; d < 2; ++d)
+    for (int i = 0; i < ntiles[d]; ++i)
+      std::printf("%s tile %2d rows: %3d regs, %6d B smem, %d CTAs/SM here, %d on A100\n", d ? "fp16" : "bf16",
+                  tiles[d][i].tile_rows, tiles[d][i].regs_per_thread, tiles[d][i].smem_bytes,
+                  tiles[d][i].ctas_per_sm, tiles[d][i].ctas_per_sm_a100);
+  std::printf("median of %d runs; GB/s counts the KV cache once; s_q 1, h_kv 1\n\n", runs);
+  std::printf(
+      "| dtype | b | h_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
+      "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& c : configs) {
+    if (!only.empty()) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%d,%d,%d", c.b, c.h_q, c.s_k);
+      if (only != buf) continue;
+    }
+    CHECK_CUDA(LaunchRandomFill(pool, pool_elems, c.s_k * 31 + c.b, c.dtype == DType::kBF16, stream));
+    const Result r = RunConfig(dev, c, runs, pool, pool_elems, ws, ws_bytes, stream);
+    const double kv_bytes = double(c.b) * c.s_k * kernels::kHeadDimQK * 2;
+    const double flops = 2.0 * c.b * c.h_q * c.s_k * (kernels::kHeadDimQK + kernels::kHeadDimV);
+    const int d = c.dtype == DType::kBF16 ? 0 : 1;
+    int a100 = 0;
+    for (int i = 0; i < ntiles[d]; ++i)
+      if (tiles[d][i].tile_rows == r.plan.tile_rows) a100 = tiles[d][i].ctas_per_sm_a100;
+    auto gbs = [&](double ms) { return kv_bytes / (ms * 1e-3) / 1e9; };
+    std::printf("| %s | %d | %d | %d | %d x %d | %d x %d | %d (%d) | %.4f | %.0f | %.1f | %.1f | %.4f | %.0f | %.1f | %.1f |\n",
+                c.dtype == DType::kBF16 ? "bf16" : "fp16", c.b, c.h_q, c.s_k, r.plan.tile_rows, r.plan.row_tiles,
+                r.plan.num_splits, r.plan.keys_per_split, r.plan.ctas_per_sm, a100, r.whole_ms, gbs(r.whole_ms),
+                100 * gbs(r.whole_ms) / ceiling, flops / (r.whole_ms * 1e-3) / 1e12, r.kernel_ms, gbs(r.kernel_ms),
+                100 * gbs(r.kernel_ms) / ceiling, flops / (r.kernel_ms * 1e-3) / 1e12);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace latentd::bench
+
+int main(int argc, char** argv) { return latentd::bench::Main(argc, argv); }
