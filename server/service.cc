@@ -450,6 +450,8 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
                           absl::StrCat(where, "kv: ", kb, " bytes; expected a multiple of h_kv * 576 * 2 = ",
                                        sh.kv_row_bytes, " bytes ([n, ", sh.h_kv, ", 576] in the server dtype)"));
     }
+    // Synchronous but short: the engine copies the rows into its pool under its KV lock
+    // (no batch is waited for).
     auto lengths = service_->engine()->AppendKv(sequence_id_, request_.layer(), request_.kv());
     if (!lengths.ok()) {
       return Prefixed(lengths.status(), absl::StrCat(where, "(", rows_, " rows appended before it) "));
@@ -527,6 +529,8 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_max_batch_size(info.max_batch_size);
   response->set_backend(info.backend);
   response->set_version(options_.version);
+  // TODO: read max_s_q from EngineInfo once the facade reports it; until then the
+  // server repeats what it passed in EngineOptions.
   response->set_max_s_q(options_.max_s_q);
   response->set_max_message_bytes(options_.max_message_bytes);
   response->set_sequences(m.sequences);
