@@ -56,6 +56,12 @@ struct TileConfig<32> {
 #define LATENTD_MAX_FUSED_PARTIAL_ROWS 128
 #endif
 inline constexpr int kMaxFusedPartialRows = LATENTD_MAX_FUSED_PARTIAL_ROWS;
+// ... and at most this many partitions: one CTA merges ~32 KB per L2 round trip, so 8
+// partitions of 16 rows already cost more than the combine kernel at small batch.
+#ifndef LATENTD_MAX_FUSED_SPLITS  // overridable only to build tuning variants
+#define LATENTD_MAX_FUSED_SPLITS 4
+#endif
+inline constexpr int kMaxFusedSplits = LATENTD_MAX_FUSED_SPLITS;
 // Arrival counters of the fused combine: one per (sequence, KV head, row tile), at the
 // start of the workspace; plans with more of these streams use the combine kernel.
 inline constexpr int kMaxFusedStreams = 4096;
