@@ -223,6 +223,7 @@ int Main(int argc, char** argv) {
     ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, 1, c.h_q, 1));
   void* ws = nullptr;
   CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
+  CHECK_OK(kernels::InitDecodeWorkspace(ws, ws_bytes, stream));  // once: the decode keeps it valid
 
   kernels::TileOccupancy tiles[2][4];
   int ntiles[2] = {0, 0};

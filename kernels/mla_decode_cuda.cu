@@ -182,6 +182,20 @@ size_t PartialFloats(const MlaDecodeParams& p, int num_splits) {
   return size_t(p.batch) * num_splits * p.h_q * p.s_q * (kHeadDimV + 1);
 }
 
+// Workspace layout of every split plan: the fused combine's arrival counters first, at
+// a fixed place and size so that no call's partials ever overlap another call's counters,
+// then the partial outputs and LSEs. 16 KB keeps the partials 16-byte aligned.
+constexpr size_t kCounterBytes = size_t(sm80::kMaxFusedStreams) * sizeof(unsigned int);
+static_assert(kCounterBytes % 16 == 0, "partials must stay 16-byte aligned");
+
+// Whether the decode kernel merges the partitions itself (docs/kernel-tuning.md, round 6):
+// few partitions and partition rows per stream, and a counter for every stream.
+bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
+  return plan.num_splits > 1 && plan.num_splits <= sm80::kMaxFusedSplits &&
+         int64_t(plan.num_splits) * plan.tile_rows <= sm80::kMaxFusedPartialRows &&
+         int64_t(p.batch) * p.h_kv * plan.row_tiles <= sm80::kMaxFusedStreams;
+}
+
 Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
   if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16 or 32 (use PlanDecode)");
   if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
@@ -207,8 +221,9 @@ DecodeArgs MakeArgs(const MlaDecodeParams& p, const DecodePlan& plan, void* work
   a.num_splits = plan.num_splits;
   a.row_tiles = plan.row_tiles;
   if (plan.num_splits > 1) {
-    a.o_part = static_cast<float*>(workspace);
+    a.o_part = reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes);
     a.lse_part = a.o_part + size_t(p.batch) * plan.num_splits * p.h_q * p.s_q * kHeadDimV;
+    if (FusesCombine(p, plan)) a.counters = static_cast<unsigned int*>(workspace);
   }
   return a;
 }
@@ -263,7 +278,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
 
 size_t DecodeWorkspaceBytes(const MlaDecodeParams& p, const DecodePlan& plan) {
   if (plan.num_splits <= 1) return 0;
-  return PartialFloats(p, plan.num_splits) * sizeof(float);
+  return kCounterBytes + PartialFloats(p, plan.num_splits) * sizeof(float);
 }
 
 size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, int h_q, int h_kv) {
@@ -281,7 +296,16 @@ size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, in
   if (Occupancy(dev.device, DType::kFP16, tile, &ctas16).ok()) ctas = std::max(ctas, ctas16);
   const int64_t slots = int64_t(ctas) * std::max(1, dev.sm_count);
   const int64_t best = int64_t(max_batch) + slots / (int64_t(h_kv) * row_tiles);
-  return size_t(best) * h_q * s_q * (kHeadDimV + 1) * sizeof(float);
+  return kCounterBytes + size_t(best) * h_q * s_q * (kHeadDimV + 1) * sizeof(float);
+}
+
+Status InitDecodeWorkspace(void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (workspace_bytes == 0) return Status::Ok();
+  if (!workspace) return Status::Invalid("workspace: expected a device pointer for " +
+                                         std::to_string(workspace_bytes) + " bytes");
+  const cudaError_t e = cudaMemsetAsync(workspace, 0, std::min(workspace_bytes, kCounterBytes), stream);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaMemsetAsync(workspace counters)");
+  return Status::Ok();
 }
 
 Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
@@ -347,7 +371,7 @@ Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* wor
 Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream) {
   Status s = LaunchDecodeKernel(p, plan, workspace, workspace_bytes, stream);
-  if (!s.ok()) return s;
+  if (!s.ok() || FusesCombine(p, plan)) return s;
   return LaunchCombine(p, plan, workspace, workspace_bytes, stream);
 }
 

@@ -1,5 +1,5 @@
-// Host API of the SM80 MLA decode: device query, split-K planner, workspace sizing,
-// the decode launch (kernel + combine) and the combine launch alone.
+// Host API of the SM80 MLA decode: device query, split-K planner, workspace sizing and
+// its one-time initialisation, the decode launch (kernel + combine) and the combine alone.
 // Plain C++: the only CUDA type is cudaStream_t. The caller owns all device memory;
 // nothing here allocates per call.
 #pragma once
@@ -44,21 +44,34 @@ struct DecodePlan {
 Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host,
                   DecodePlan* plan);
 
-// Device workspace (partial outputs and LSEs for split-K) that LaunchDecode needs.
+// Device workspace (split-K: arrival counters of the fused combine, partial outputs and
+// LSEs) that LaunchDecode needs.
 size_t DecodeWorkspaceBytes(const MlaDecodeParams& p, const DecodePlan& plan);
 
 // An upper bound of DecodeWorkspaceBytes over every plan PlanDecode can produce for
 // batches up to max_batch with these head counts and s_q, for preallocation.
 size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, int h_q, int h_kv);
 
-// Runs the decode kernel and, when plan.num_splits > 1, the combine kernel, on stream.
+// Zeroes the workspace's arrival counters (its first 16 KB at most) on stream. Run it
+// once after allocating a workspace, before its first LaunchDecode / LaunchDecodeKernel,
+// and again only if something else wrote over the workspace: the decode kernel leaves
+// every counter at zero when it finishes, so no call needs a memset of its own. A
+// workspace is used by one stream at a time.
+Status InitDecodeWorkspace(void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Runs the decode on stream. With plan.num_splits > 1 the partitions of a stream
+// (sequence, KV head, row tile) are merged by the last of its CTAs to finish, inside the
+// decode kernel, when they are few; otherwise a separate combine kernel follows.
 // p's pointers are device pointers; seqlens on the device must equal seqlens_host given
-// to PlanDecode. Writes every element of out and lse.
+// to PlanDecode; the workspace must have been through InitDecodeWorkspace. Writes every
+// element of out and lse.
 Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream);
 
-// The decode kernel alone (partials into workspace, or out/lse when num_splits == 1),
-// and the combine alone; LaunchDecode is these two in sequence. For benchmarks.
+// The decode kernel alone (out/lse when num_splits == 1; partials into the workspace
+// otherwise, merged into out/lse by the kernel itself when LaunchDecode fuses the
+// combine), and the combine kernel alone (merges the partials of any plan again).
+// LaunchDecode is the first, then the second when the combine is not fused. For benchmarks.
 Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream);
 Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace,

@@ -73,7 +73,10 @@ Gpu& TheGpu() {
 }
 
 // Runs one problem on the GPU. force_kps > 0 overrides the planner's split size.
-void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<float>* lse, DecodePlan* plan_out) {
+// fresh_workspace: poison the workspace and initialise it again; otherwise run on what
+// the previous calls left in it (it must already be large enough).
+void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<float>* lse, DecodePlan* plan_out,
+            bool fresh_workspace = true) {
   Gpu& g = TheGpu();
   MlaDecodeParams p = pr.Params();
   auto up = [](DeviceBuffer& b, const void* src, size_t bytes) -> void* {
@@ -103,10 +106,16 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
     plan.num_splits = std::max(1, (max_len + force_kps - 1) / force_kps);
   }
   const size_t ws_bytes = DecodeWorkspaceBytes(p, plan);
-  void* ws = ws_bytes ? g.ws.Get(ws_bytes) : nullptr;
-  if (ws_bytes) {
+  void* ws = nullptr;
+  if (ws_bytes && !fresh_workspace) {
+    ASSERT_GE(g.ws.bytes, ws_bytes) << "reused workspace too small";
+    ws = g.ws.ptr;
+  } else if (ws_bytes) {
+    ws = g.ws.Get(ws_bytes);
     ASSERT_NE(ws, nullptr);
     CUDA_OK(cudaMemset(ws, 0xff, ws_bytes));  // partitions must write what combine reads
+    s = InitDecodeWorkspace(ws, ws_bytes, nullptr);
+    ASSERT_TRUE(s.ok()) << s.message;
   }
   s = LaunchDecode(p, plan, ws, ws_bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s.message;
@@ -119,12 +128,12 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
 }
 
 // Returns true when the GPU matches the CPU implementation on this shape.
-bool Check(const ProblemShape& shape, std::mt19937_64& rng, int force_kps = 0) {
+bool Check(const ProblemShape& shape, std::mt19937_64& rng, int force_kps = 0, bool fresh_workspace = true) {
   Problem pr = MakeProblem(shape, rng);
   std::vector<uint16_t> out;
   std::vector<float> lse;
   DecodePlan plan;
-  RunGpu(pr, force_kps, &out, &lse, &plan);
+  RunGpu(pr, force_kps, &out, &lse, &plan, fresh_workspace);
   if (::testing::Test::HasFatalFailure()) return false;
   Status s = TheGpu().cpu.Run(pr.Params());
   EXPECT_TRUE(s.ok()) << s.message;
@@ -216,8 +225,32 @@ TEST(GpuDecode, Subset) {
       s.causal = true;
       s.seqlens = {0, 65, 300};
       Check(s, rng);
-      Check(s, rng, 64);  // forced split-K with combine
+      Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
+      Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
     }
+}
+
+// The fused combine leaves its arrival counters at zero, so one workspace initialised
+// once serves call after call: fused plans of both tiles with 2 to 8 partitions, and a
+// combine-kernel plan between them, with no memset or re-initialisation in between.
+TEST(GpuDecode, WorkspaceReuse) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(13);
+  ProblemShape big;  // the largest workspace first: 32-row tiles x 4, 16 partitions
+  big.batch = 3;
+  big.h_q = 64;
+  big.s_q = 2;
+  big.causal = true;
+  big.seqlens = {512, 300, 77};
+  Check(big, rng, 32);
+  ProblemShape small = big;
+  small.h_q = 16;
+  small.s_q = 1;
+  small.causal = false;
+  for (int kps : {64, 128, 256}) Check(small, rng, kps, false);  // 16-row tile, 8 / 4 / 2 partitions
+  Check(big, rng, 128, false);                                  // 32-row tiles, 4 partitions
+  Check(big, rng, 32, false);                                   // 16 partitions: combine kernel
+  for (int kps : {64, 64}) Check(small, rng, kps, false);        // the same streams twice
 }
 
 TEST(GpuDecode, LongSequences) {

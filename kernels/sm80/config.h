@@ -47,6 +47,25 @@ struct TileConfig<32> {
   static constexpr bool kQInRegisters = false;
 };
 
+// Split-K combine fused into the decode kernel: the last CTA of a (sequence, KV head,
+// row tile) to finish merges that stream's partials itself, read back from L2 by that one
+// CTA, when they are at most this many partition rows (partitions x tile rows; 128 rows
+// = 256 KB of fp32 partials). Larger merges go to the separate combine kernel, which
+// spreads them over many SMs (docs/kernel-tuning.md, round 6).
+#ifndef LATENTD_MAX_FUSED_PARTIAL_ROWS  // overridable only to build tuning variants
+#define LATENTD_MAX_FUSED_PARTIAL_ROWS 128
+#endif
+inline constexpr int kMaxFusedPartialRows = LATENTD_MAX_FUSED_PARTIAL_ROWS;
+// ... and at most this many partitions: one CTA merges ~32 KB per L2 round trip, so 8
+// partitions of 16 rows already cost more than the combine kernel at small batch.
+#ifndef LATENTD_MAX_FUSED_SPLITS  // overridable only to build tuning variants
+#define LATENTD_MAX_FUSED_SPLITS 4
+#endif
+inline constexpr int kMaxFusedSplits = LATENTD_MAX_FUSED_SPLITS;
+// Arrival counters of the fused combine: one per (sequence, KV head, row tile), at the
+// start of the workspace; plans with more of these streams use the combine kernel.
+inline constexpr int kMaxFusedStreams = 4096;
+
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32};
 inline constexpr int kNumTileConfigs = 2;

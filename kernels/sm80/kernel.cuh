@@ -93,6 +93,126 @@ __device__ __forceinline__ int Swizzle(int row, int chunk) {
   return row * kHeadDimQK + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
 }
 
+// Fused split-K combine, run by the last CTA of a stream to finish: out = sum_i w_i o_i
+// over the stream's n partitions for rows [row0, row0 + nrows), with w[i][r] in shared
+// memory. Thread t owns output columns 4t .. 4t+3 of every row (a warp reads 512
+// contiguous bytes of a partial row), and each pass keeps kR rows x kN partitions of
+// 16-byte loads in flight (16 per thread, 32 KB per CTA) so the CTA's L2 reads overlap.
+template <DType kDType, int kRows, int kN, int kR>
+__device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
+                                            int64_t prow0, const float* w) {
+  static_assert(kR * kN <= 16, "loads in flight per thread: more raise the kernel's register count");
+  static_assert(kThreads * 4 == kHeadDimV, "one float4 of columns per thread");
+  const MlaDecodeParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int group = p.h_q / p.h_kv, rows_total = p.h_q * p.s_q;
+  const float* src = args.o_part + prow0 * kHeadDimV + tid * 4;
+  for (int r0 = 0; r0 < nrows; r0 += kR) {
+    float4 v[kR][kN];
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        v[r][i] = r0 + r < nrows && i < n
+                      ? __ldcg(reinterpret_cast<const float4*>(src + (int64_t(i) * rows_total + r0 + r) * kHeadDimV))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      if (r0 + r >= nrows) break;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (i >= n) break;
+        const float c = w[i * kRows + r0 + r];
+        acc.x = fmaf(c, v[r][i].x, acc.x);
+        acc.y = fmaf(c, v[r][i].y, acc.y);
+        acc.z = fmaf(c, v[r][i].z, acc.z);
+        acc.w = fmaf(c, v[r][i].w, acc.w);
+      }
+      const int row = row0 + r0 + r;
+      const int token = row / group, head = kvh * group + row % group;
+      uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
+                      int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + tid * 4;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(Pack2<kDType>(acc.x, acc.y), Pack2<kDType>(acc.z, acc.w));
+    }
+  }
+}
+
+// The whole fused combine of one stream: per row the merged LSE and the partitions'
+// weights exp(lse_i - lse) (into shared memory w), then the weighted sum of the outputs.
+// lse = log(sum_i exp(lse_i)); partitions whose rows saw no keys (lse_i = -inf) weigh 0.
+template <DType kDType, int kRows>
+__device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
+                                            float* w) {
+  constexpr int kMaxN = kMaxFusedPartialRows / kRows;
+  static_assert(kMaxN >= 2 && kMaxN * kRows == kMaxFusedPartialRows, "whole partitions per fused combine");
+  const MlaDecodeParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
+  // Partial row of (partition 0, tile row 0); partition i is i * rows_total further.
+  const int64_t prow0 = int64_t(b) * args.num_splits * rows_total + int64_t(kvh) * rows_kv + row0;
+  for (int r = tid; r < nrows; r += kThreads) {
+    float lp[kMaxN];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxN; ++i) {
+      lp[i] = i < n ? __ldcg(args.lse_part + prow0 + int64_t(i) * rows_total + r) : -INFINITY;
+      m = fmaxf(m, lp[i]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxN; ++i) {
+      lp[i] = lp[i] == -INFINITY ? 0.f : __expf(lp[i] - m);  // m is finite when any lp[i] is
+      sum += lp[i];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxN; ++i) w[i * kRows + r] = lp[i] * inv;
+    const int row = row0 + r, token = row / group, head = kvh * group + row % group;
+    p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] =
+        sum > 0.f ? m + logf(sum) : -INFINITY;
+  }
+  __syncthreads();
+  if constexpr (kMaxN > 4) {
+    if (n > 4) {
+      CombineRows<kDType, kRows, kMaxN, 16 / kMaxN>(args, b, kvh, row0, nrows, n, prow0, w);
+      return;
+    }
+  }
+  CombineRows<kDType, kRows, 4, 4>(args, b, kvh, row0, nrows, n, prow0, w);
+}
+
+// After a partition CTA has written its partials: the last CTA of the stream to arrive
+// merges them. Each thread's fence makes its partial stores visible device-wide before
+// thread 0 counts the CTA in; atomicInc wraps the counter back to 0 at the last arrival,
+// so it is zero again for the next launch without a memset. Every index is recomputed
+// from blockIdx and args so that nothing stays live across the main loop for this.
+template <DType kDType, int kRows>
+__device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t* smem_raw) {
+  using Plan = SharedMemoryPlan<kRows>;
+  Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
+  const MlaDecodeParams& p = args.p;
+  const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv;
+  const int n_valid = (p.seqlens[b] + args.keys_per_split - 1) / args.keys_per_split;
+  __threadfence();
+  __syncthreads();  // also: every warp is past the main loop, shared memory is free
+  int* last_flag = reinterpret_cast<int*>(&sm.s_part[0][0][0][0][0]);
+  if (threadIdx.x == 0) {
+    const unsigned int arrived =
+        atomicInc(args.counters + int64_t(blockIdx.z) * args.row_tiles + blockIdx.x, unsigned(n_valid - 1));
+    *last_flag = arrived == unsigned(n_valid - 1);
+  }
+  __syncthreads();
+  if (!*last_flag) return;
+  __threadfence();  // order the partial loads after the count that proved them written
+  // Weights go to the start of the KV stages, away from the flag in s_part.
+  static_assert(sizeof(float) * kMaxFusedPartialRows <= sizeof(sm.kv), "combine weights fit the KV stages");
+  const int rows_kv = (p.h_q / p.h_kv) * p.s_q;
+  const int row0 = blockIdx.x * kRows;
+  CombineTile<kDType, kRows>(args, b, kvh, row0, min(rows_kv - row0, kRows), n_valid,
+                             reinterpret_cast<float*>(smem_raw));
+}
+
 }  // namespace detail
 
 template <DType kDType, int kRows>
@@ -427,6 +547,8 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
         if (warp == 0 && (lane & 3) == 0) args.lse_part[prow] = lse;
       }
     }
+
+  if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows>(args, smem_raw);
 }
 
 // Host side of one instantiation.

@@ -16,6 +16,10 @@ struct DecodeArgs {
   int row_tiles = 1;       // grid.x
   float* o_part = nullptr;    // [b, num_splits, h_q * s_q, 512] fp32 partial outputs
   float* lse_part = nullptr;  // [b, num_splits, h_q * s_q] fp32 partial LSEs
+  // Fused combine: arrival counts per (sequence x KV head, row tile), zero between
+  // launches (the last arriver resets its own); null = partials only, the combine
+  // kernel merges them.
+  unsigned int* counters = nullptr;
 };
 
 // Kernel handle of one (dtype, tile) instantiation: explicit instantiations live in
