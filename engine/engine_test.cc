@@ -81,6 +81,30 @@ TEST_F(EngineTest, ConcurrentStepsMatchOracle) {
   EXPECT_LT(m.batches, steps.size()) << "steps were never batched together";
 }
 
+// A full batch of long sequences: on the GPU this plans a few split-K partitions per
+// sequence (the merge fused into the decode kernel), and it runs twice so the
+// workspace's arrival counters are reused.
+TEST_F(EngineTest, FullBatchOfLongSequences) {
+  EngineOptions o = Model(1, 16);
+  o.kv_pages = 1200;
+  o.batch_window = absl::Milliseconds(20);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 21);
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 64; ++i) seqs.push_back(h.NewSequence(1000 + i));
+  std::vector<Harness::Pending*> steps;
+  h.HoldCallbacks(true);
+  for (int round = 0; round < 2; ++round)
+    for (const auto& s : seqs) {
+      steps.push_back(h.MakeStep(s, 0, 1, false));
+      ASSERT_TRUE(h.Submit(steps.back()).ok());
+    }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(120)));
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+}
+
 TEST_F(EngineTest, MixedLayersAndQueryLengthsInOneBatch) {
   EngineOptions o = Model(2, 32, 2);
   o.batch_window = absl::Milliseconds(20);
