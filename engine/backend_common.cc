@@ -2,6 +2,7 @@
 #include "engine/backend_common.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/params.h"
 
@@ -65,6 +66,41 @@ int MaxTablePages(const Batch& batch) {
   for (const auto& e : batch.entries)
     if (e.status.ok()) width = std::max(width, e.table_pages);
   return width;
+}
+
+void WritePhysicalTable(const BatchEntry& e, int width, int32_t* row) {
+  for (int j = 0; j < e.table_pages; ++j) row[j] = static_cast<int32_t>(e.table[j] + e.page_offset);
+  std::fill(row + e.table_pages, row + width, 0);
+}
+
+kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheConfig& kv, const LaunchGroup& g,
+                                    int width) {
+  kernels::MlaDecodeParams p;
+  p.dtype = model.dtype;
+  p.batch = g.num_entries;
+  p.s_q = g.s_q;
+  p.h_q = model.num_heads_q;
+  p.h_kv = model.num_heads_kv;
+  p.num_pages = static_cast<int>(kv.physical_pages());
+  p.max_pages_per_seq = width;
+  p.softmax_scale = model.softmax_scale;
+  p.causal = g.causal;
+  kernels::SetContiguousStrides(&p);
+  return p;
+}
+
+void CopyResults(Batch& batch, const std::vector<int>& order, int h_q, const char* out, const float* lse) {
+  const size_t out_row = size_t(h_q) * kernels::kHeadDimV * 2;
+  int token = 0;
+  for (int k : order) {
+    BatchEntry& e = batch.entries[k];
+    const int s_q = e.step->s_q;
+    if (e.status.ok()) {
+      std::memcpy(e.step->out, out + size_t(token) * out_row, size_t(s_q) * out_row);
+      std::memcpy(e.step->lse, lse + size_t(token) * h_q, size_t(s_q) * h_q * sizeof(float));
+    }
+    token += s_q;
+  }
 }
 
 }  // namespace latentd::engine

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_backend.h"
 #include "engine/batch.h"
+#include "kernels/params.h"
 
 namespace latentd::engine {
 
@@ -32,5 +33,18 @@ void GroupBatch(const Batch& batch, std::vector<int>* order, std::vector<LaunchG
 
 // Widest block table (in pages) among the OK entries.
 int MaxTablePages(const Batch& batch);
+
+// The entry's block table as physical page ids (its layer's offset added), zero-padded
+// to width.
+void WritePhysicalTable(const BatchEntry& e, int width, int32_t* row);
+
+// Shapes, dtype and contiguous strides of one group's launch over a table of `width`
+// pages; the caller sets the pointers.
+kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheConfig& kv, const LaunchGroup& g,
+                                    int width);
+
+// Copies each OK entry's rows of out ([tokens, h_q, 512]) and lse ([tokens * h_q], each
+// entry's [h_q, s_q] block) into its step, in launch order.
+void CopyResults(Batch& batch, const std::vector<int>& order, int h_q, const char* out, const float* lse);
 
 }  // namespace latentd::engine

@@ -57,9 +57,7 @@ class CpuBackend final : public AttentionBackend {
       BatchEntry& e = batch.entries[sl.order[k]];
       const DecodeStep& s = *e.step;
       std::memcpy(q_.data() + size_t(token) * h_q * kHeadDimQK, s.q.data(), s.q.size());
-      int32_t* row = tables_.data() + size_t(k) * width_;
-      for (int j = 0; j < e.table_pages; ++j) row[j] = static_cast<int32_t>(e.table[j] + e.page_offset);
-      std::fill(row + e.table_pages, row + width_, 0);
+      WritePhysicalTable(e, width_, tables_.data() + size_t(k) * width_);
       seqlens_[k] = static_cast<int32_t>(e.seqlen);
       token += s.s_q;
     }
@@ -69,17 +67,7 @@ class CpuBackend final : public AttentionBackend {
     const int h_q = o_.model.num_heads_q;
     Slot& sl = slots_[batch.slot];
     for (const auto& g : sl.groups) {
-      kernels::MlaDecodeParams p;
-      p.dtype = o_.model.dtype;
-      p.batch = g.num_entries;
-      p.s_q = g.s_q;
-      p.h_q = h_q;
-      p.h_kv = o_.model.num_heads_kv;
-      p.num_pages = static_cast<int>(config_.num_pages * config_.num_layers);
-      p.max_pages_per_seq = width_;
-      p.softmax_scale = o_.model.softmax_scale;
-      p.causal = g.causal;
-      kernels::SetContiguousStrides(&p);
+      kernels::MlaDecodeParams p = GroupShape(o_.model, config_, g, width_);
       p.q = q_.data() + size_t(g.first_token) * h_q * kHeadDimQK;
       p.kv = storage_->base();
       p.block_table = tables_.data() + size_t(g.first_entry) * width_;
@@ -95,18 +83,8 @@ class CpuBackend final : public AttentionBackend {
   }
 
   void Finish(Batch& batch) override {
-    const int h_q = o_.model.num_heads_q;
     const Slot& sl = slots_[batch.slot];
-    int token = 0;
-    for (int k = 0; k < static_cast<int>(sl.order.size()); ++k) {
-      BatchEntry& e = batch.entries[sl.order[k]];
-      const int s_q = e.step->s_q;
-      if (e.status.ok()) {
-        std::memcpy(e.step->out, sl.out.data() + size_t(token) * h_q * kHeadDimV, size_t(s_q) * h_q * kHeadDimV * 2);
-        std::memcpy(e.step->lse, sl.lse.data() + size_t(token) * h_q, size_t(s_q) * h_q * sizeof(float));
-      }
-      token += s_q;
-    }
+    CopyResults(batch, sl.order, o_.model.num_heads_q, reinterpret_cast<const char*>(sl.out.data()), sl.lse.data());
   }
 
  private:

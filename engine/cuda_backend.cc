@@ -143,9 +143,7 @@ class CudaBackend final : public AttentionBackend {
       for (int r = 0; r < e.num_slots; ++r)
         for (int t = 0; t < e.slots[r].n; ++t)
           dst[s.rows++] = (e.page_offset + e.slots[r].page) * kPageSize + e.slots[r].row + t;
-      int32_t* row = tables + size_t(k) * s.width;
-      for (int j = 0; j < e.table_pages; ++j) row[j] = static_cast<int32_t>(e.table[j] + e.page_offset);
-      std::fill(row + e.table_pages, row + s.width, 0);
+      WritePhysicalTable(e, s.width, tables + size_t(k) * s.width);
       seqlens[k] = static_cast<int32_t>(e.seqlen);
       token += step.s_q;
     }
@@ -203,19 +201,11 @@ class CudaBackend final : public AttentionBackend {
     if (s.order.empty()) return;
     absl::Status st = s.launch_status;
     if (st.ok()) st = CudaStatus(cudaEventSynchronize(s.done), "decode");
-    const int h_q = o_.model.num_heads_q;
-    int token = 0;
-    for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
-      BatchEntry& e = batch.entries[s.order[k]];
-      const int s_q = e.step->s_q;
-      if (!st.ok() && e.status.ok()) e.status = st;
-      if (e.status.ok()) {
-        std::memcpy(e.step->lse, s.host_out + size_t(token) * h_q * sizeof(float), size_t(s_q) * h_q * sizeof(float));
-        std::memcpy(e.step->out, s.host_out + out_lse_bytes_ + size_t(token) * h_q * kHeadDimV * 2,
-                    size_t(s_q) * h_q * kHeadDimV * 2);
-      }
-      token += s_q;
-    }
+    if (!st.ok())
+      for (int k : s.order)
+        if (batch.entries[k].status.ok()) batch.entries[k].status = st;
+    CopyResults(batch, s.order, o_.model.num_heads_q, s.host_out + out_lse_bytes_,
+                reinterpret_cast<const float*>(s.host_out));
   }
 
  private:
@@ -253,17 +243,7 @@ class CudaBackend final : public AttentionBackend {
     const int h_q = o_.model.num_heads_q;
     const char* in = device ? s.dev_in : s.host_in;
     char* out = device ? s.dev_out : s.host_out;
-    kernels::MlaDecodeParams p;
-    p.dtype = o_.model.dtype;
-    p.batch = g.num_entries;
-    p.s_q = g.s_q;
-    p.h_q = h_q;
-    p.h_kv = o_.model.num_heads_kv;
-    p.num_pages = static_cast<int>(config_.num_pages * config_.num_layers);
-    p.max_pages_per_seq = s.width;
-    p.softmax_scale = o_.model.softmax_scale;
-    p.causal = g.causal;
-    kernels::SetContiguousStrides(&p);
+    kernels::MlaDecodeParams p = GroupShape(o_.model, config_, g, s.width);
     p.q = in + off_q_ + size_t(g.first_token) * h_q * kHeadDimQK * 2;
     p.kv = storage_->base();  // the planner validates pointers but reads none
     p.block_table = reinterpret_cast<const int32_t*>(in + off_tables_) + size_t(g.first_entry) * s.width;

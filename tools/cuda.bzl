@@ -27,7 +27,8 @@ NVCC_FLAGS = " ".join([
     "-I.",
 ])
 
-def _incompatible_without_cuda():
+def cuda_only():
+    """target_compatible_with for targets that need the CUDA toolkit (skipped under nocuda)."""
     return select({
         "//tools:nocuda": ["//tools:cuda_toolkit"],
         "//conditions:default": [],
@@ -68,7 +69,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
                 report,
                 report,
             ),
-            target_compatible_with = _incompatible_without_cuda(),
+            target_compatible_with = cuda_only(),
             testonly = testonly,
             message = "nvcc %s" % src,
         )
@@ -90,7 +91,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
         textual_hdrs = textual_hdrs,
         deps = deps + ["//third_party:cudart"],
         visibility = visibility,
-        target_compatible_with = _incompatible_without_cuda(),
+        target_compatible_with = cuda_only(),
         testonly = testonly,
         alwayslink = True,
     )
@@ -102,5 +103,5 @@ def ptxas_spill_test(name, reports):
         srcs = ["//tools:check_ptxas.sh"],
         args = ["$(locations %s)" % r for r in reports],
         data = reports,
-        target_compatible_with = _incompatible_without_cuda(),
+        target_compatible_with = cuda_only(),
     )

@@ -33,6 +33,10 @@ struct KvCacheConfig {
   // layer l is the sequence's block table plus PageOffset(l).
   int64_t PageOffset(int layer) const { return int64_t{layer} * num_pages; }
   int64_t PhysicalPage(int layer, int32_t page) const { return PageOffset(layer) + page; }
+  // Byte offset of a row in the storage tensor.
+  int64_t RowOffset(int layer, int32_t page, int row) const {
+    return PhysicalPage(layer, page) * layer_page_bytes() + int64_t{row} * row_bytes();
+  }
 
   // OK when every field is in range; the message names the field.
   absl::Status Validate() const;

@@ -81,10 +81,7 @@ class CudaKvStorage final : public KvStorage {
   }
 
  private:
-  char* RowPtr(int layer, int32_t page, int row) {
-    return data_ + config_.PhysicalPage(layer, page) * config_.layer_page_bytes() +
-           int64_t{row} * config_.row_bytes();
-  }
+  char* RowPtr(int layer, int32_t page, int row) { return data_ + config_.RowOffset(layer, page, row); }
 
   const KvCacheConfig config_;
   const int device_;

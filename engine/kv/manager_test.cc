@@ -300,11 +300,15 @@ TEST_F(ManagerTest, MaxAppendSlotsBoundsEveryAlignment) {
     for (int n : {1, 2, 63, 64, 65, 66, 128, 130}) {
       mgr_->TruncateLayer(s, 0, 0);
       int num = 0;
-      if (start > 0) ASSERT_TRUE(mgr_->ReserveAppend(s, 0, start, slots, &num).ok());
+      if (start > 0) {
+        ASSERT_TRUE(mgr_->ReserveAppend(s, 0, start, slots, &num).ok());
+      }
       ASSERT_TRUE(mgr_->ReserveAppend(s, 0, n, slots, &num).ok());
       EXPECT_LE(num, KvCacheManager::MaxAppendSlots(n)) << start << " " << n;
       // Starting on a page's last row is the worst case, and reaches the bound.
-      if (start == 63) EXPECT_EQ(num, KvCacheManager::MaxAppendSlots(n)) << n;
+      if (start == 63) {
+        EXPECT_EQ(num, KvCacheManager::MaxAppendSlots(n)) << n;
+      }
       int total = 0;
       for (int i = 0; i < num; ++i) total += slots[i].n;
       EXPECT_EQ(total, n);

@@ -85,10 +85,7 @@ class HostKvStorage final : public KvStorage {
   }
 
  private:
-  char* RowPtr(int layer, int32_t page, int row) {
-    return data_ + config_.PhysicalPage(layer, page) * config_.layer_page_bytes() +
-           int64_t{row} * config_.row_bytes();
-  }
+  char* RowPtr(int layer, int32_t page, int row) { return data_ + config_.RowOffset(layer, page, row); }
 
   const KvCacheConfig config_;
   char* const data_;

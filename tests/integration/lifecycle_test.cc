@@ -191,7 +191,9 @@ TEST(LifecycleTest, SigtermLosesNoAcceptedStep) {
       if (r.code() == 0) {
         EXPECT_FALSE(refused_seen) << "an accepted step after a refused one on stream " << t;
         ++ok;
-        if (i % 8 == 0 || i == kSteps - 1) EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+        if (i % 8 == 0 || i == kSteps - 1) {
+          EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+        }
       } else {
         EXPECT_EQ(r.code(), static_cast<int>(StatusCode::kUnavailable)) << r.message();
         refused_seen = true;
