@@ -115,12 +115,17 @@ class EngineImpl final : public Engine {
       metrics_.Reject(RejectReason::kInvalid);
       return st;
     }
-    if (draining_.load()) return absl::UnavailableError("server is draining: no new decode steps accepted");
-    step->enqueued_at = absl::Now();
+    // Counted before the draining check (both sequentially consistent), so a Drain that
+    // began earlier either refuses this step here or waits for it.
     accepted_.fetch_add(1);
+    if (draining_.load()) {
+      Unaccept();
+      return absl::UnavailableError("server is draining: no new decode steps accepted");
+    }
+    step->enqueued_at = absl::Now();
     st = queue_.Push(step, absl::HashOf(step->sequence_id));
     if (!st.ok()) {
-      accepted_.fetch_sub(1);
+      Unaccept();
       metrics_.Reject(RejectReason::kQueueFull);
       return st;
     }
@@ -193,10 +198,17 @@ class EngineImpl final : public Engine {
 
   void Complete(DecodeStep* step, const absl::Status& status) {
     step->callback->StepDone(step, status);
-    if (completed_.fetch_add(1) + 1 == accepted_.load()) {
-      absl::MutexLock lock(&done_mu_);
-      done_cv_.SignalAll();
-    }
+    if (completed_.fetch_add(1) + 1 == accepted_.load()) SignalDone();
+  }
+
+  // A step counted as accepted was refused after all.
+  void Unaccept() {
+    if (accepted_.fetch_sub(1) - 1 == completed_.load()) SignalDone();
+  }
+
+  void SignalDone() {
+    absl::MutexLock lock(&done_mu_);
+    done_cv_.SignalAll();
   }
 
   // Moves queued steps into pending_, keeping arrival order.
