@@ -199,6 +199,9 @@ int Run() {
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, creds, &port);
+  // gRPC sets SO_REUSEPORT by default, which would let a second daemon silently share
+  // the port with a running one; a taken port must fail the start instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&service);

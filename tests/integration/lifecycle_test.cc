@@ -209,6 +209,17 @@ TEST(LifecycleTest, SigtermLosesNoAcceptedStep) {
   EXPECT_EQ(std::stoi(m[1]), ok + probe_ok) << log;
 }
 
+TEST(LifecycleTest, TakenPortFailsTheStart) {
+  Daemon first;
+  ASSERT_TRUE(first.Start()) << first.Log();
+  Daemon second({"--listen=127.0.0.1:" + std::to_string(first.port())});
+  EXPECT_FALSE(second.Start(absl::Seconds(30)));
+  EXPECT_NE(second.Wait(absl::Seconds(30)), 0);
+  EXPECT_NE(second.Log().find("--listen: cannot serve on"), std::string::npos) << second.Log();
+  auto c = first.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+}
+
 TEST(LifecycleTest, BearerTokenIsRequired) {
   Daemon daemon({"--auth_token=s3cret-token"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
