@@ -60,11 +60,11 @@ class CudaBackend final : public AttentionBackend {
 
     const int h_q = o.model.num_heads_q, T = o.max_batch_tokens, E = o.max_batch_size;
     row_bytes_ = size_t(o.model.num_heads_kv) * kHeadDimQK * 2;
-    off_q_ = 0;
-    off_kv_ = AlignUp(off_q_ + size_t(T) * h_q * kHeadDimQK * 2);
-    off_dst_ = AlignUp(off_kv_ + size_t(T) * row_bytes_);
-    off_seqlens_ = AlignUp(off_dst_ + size_t(T) * sizeof(int64_t));
-    off_tables_ = AlignUp(off_seqlens_ + size_t(E) * sizeof(int32_t));
+    // The largest batch's inputs ahead of its block tables; Stage packs each batch tighter.
+    max_fixed_in_bytes_ = AlignUp(size_t(T) * h_q * kHeadDimQK * 2);
+    max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(T) * row_bytes_);
+    max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(T) * sizeof(int64_t));
+    max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(E) * sizeof(int32_t));
     out_lse_bytes_ = AlignUp(size_t(T) * h_q * sizeof(float));
     out_bytes_ = out_lse_bytes_ + size_t(T) * h_q * kHeadDimV * 2;
     for (auto& s : slots_) {
@@ -128,11 +128,19 @@ class CudaBackend final : public AttentionBackend {
         return;
       }
     }
-    char* q = s.host_in + off_q_;
-    char* kv = s.host_in + off_kv_;
-    auto* dst = reinterpret_cast<int64_t*>(s.host_in + off_dst_);
-    auto* seqlens = reinterpret_cast<int32_t*>(s.host_in + off_seqlens_);
-    auto* tables = reinterpret_cast<int32_t*>(s.host_in + off_tables_);
+    // Packed for this batch's sizes, so the one input copy moves only what is used.
+    int tokens = 0;
+    for (int k : s.order) tokens += batch.entries[k].step->s_q;
+    const size_t entries = s.order.size();
+    s.off_kv = AlignUp(size_t(tokens) * h_q * kHeadDimQK * 2);
+    s.off_dst = AlignUp(s.off_kv + size_t(tokens) * row_bytes_);
+    s.off_seqlens = AlignUp(s.off_dst + size_t(tokens) * sizeof(int64_t));
+    s.off_tables = AlignUp(s.off_seqlens + entries * sizeof(int32_t));
+    char* q = s.host_in;
+    char* kv = s.host_in + s.off_kv;
+    auto* dst = reinterpret_cast<int64_t*>(s.host_in + s.off_dst);
+    auto* seqlens = reinterpret_cast<int32_t*>(s.host_in + s.off_seqlens);
+    auto* tables = reinterpret_cast<int32_t*>(s.host_in + s.off_tables);
     int token = 0;
     s.rows = 0;
     for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
@@ -148,7 +156,7 @@ class CudaBackend final : public AttentionBackend {
       token += step.s_q;
     }
     s.tokens = token;
-    s.in_bytes = off_tables_ + size_t(s.order.size()) * s.width * sizeof(int32_t);
+    s.in_bytes = s.off_tables + entries * s.width * sizeof(int32_t);
     // Plans come from the host copy of the seqlens, before anything is sent.
     for (size_t g = 0; g < s.groups.size(); ++g) {
       kernels::MlaDecodeParams p = GroupParams(s, s.groups[g], /*device=*/false);
@@ -166,7 +174,7 @@ class CudaBackend final : public AttentionBackend {
     if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(stream_, s.h2d_done, 0), "wait");
     if (st.ok())
       st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRows(
-                          s.dev_in + off_kv_, reinterpret_cast<const int64_t*>(s.dev_in + off_dst_), s.rows,
+                          s.dev_in + s.off_kv, reinterpret_cast<const int64_t*>(s.dev_in + s.off_dst), s.rows,
                           static_cast<int>(row_bytes_), storage_->base(), stream_)),
                       "scatter new rows");
     s.launch_status = st;
@@ -211,6 +219,7 @@ class CudaBackend final : public AttentionBackend {
  private:
   struct Slot {
     char* host_in = nullptr;  // pinned: q | new rows | destination rows | seqlens | block tables
+    size_t off_kv = 0, off_dst = 0, off_seqlens = 0, off_tables = 0;  // this batch's packing
     char* dev_in = nullptr;
     char* host_out = nullptr;  // pinned: lse | out
     char* dev_out = nullptr;
@@ -227,7 +236,7 @@ class CudaBackend final : public AttentionBackend {
   // (Re)allocates a slot's input staging for block tables of `width` pages. Happens at
   // start-up and when a sequence grows past every width seen before, never per step.
   absl::Status GrowSlot(Slot& s, int width) {
-    const size_t bytes = off_tables_ + size_t(o_.max_batch_size) * width * sizeof(int32_t);
+    const size_t bytes = max_fixed_in_bytes_ + size_t(o_.max_batch_size) * width * sizeof(int32_t);
     if (s.host_in) cudaFreeHost(s.host_in);
     if (s.dev_in) cudaFree(s.dev_in);
     s.host_in = s.dev_in = nullptr;
@@ -244,10 +253,10 @@ class CudaBackend final : public AttentionBackend {
     const char* in = device ? s.dev_in : s.host_in;
     char* out = device ? s.dev_out : s.host_out;
     kernels::MlaDecodeParams p = GroupShape(o_.model, config_, g, s.width);
-    p.q = in + off_q_ + size_t(g.first_token) * h_q * kHeadDimQK * 2;
+    p.q = in + size_t(g.first_token) * h_q * kHeadDimQK * 2;
     p.kv = storage_->base();  // the planner validates pointers but reads none
-    p.block_table = reinterpret_cast<const int32_t*>(in + off_tables_) + size_t(g.first_entry) * s.width;
-    p.seqlens = reinterpret_cast<const int32_t*>(in + off_seqlens_) + g.first_entry;
+    p.block_table = reinterpret_cast<const int32_t*>(in + s.off_tables) + size_t(g.first_entry) * s.width;
+    p.seqlens = reinterpret_cast<const int32_t*>(in + s.off_seqlens) + g.first_entry;
     p.lse = reinterpret_cast<float*>(out) + size_t(g.first_token) * h_q;
     p.out = out + out_lse_bytes_ + size_t(g.first_token) * h_q * kHeadDimV * 2;
     return p;
@@ -267,7 +276,7 @@ class CudaBackend final : public AttentionBackend {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   size_t row_bytes_ = 0;
-  size_t off_q_ = 0, off_kv_ = 0, off_dst_ = 0, off_seqlens_ = 0, off_tables_ = 0;
+  size_t max_fixed_in_bytes_ = 0;
   size_t out_lse_bytes_ = 0, out_bytes_ = 0;
 };
 
