@@ -24,80 +24,38 @@ const float* Fp16Table() {
   return table->data();
 }
 
-inline void ToFloat(DType dtype, const uint16_t* __restrict src, float* __restrict dst, int n) {
-  if (dtype == DType::kBF16) {
-    for (int i = 0; i < n; ++i) {
-      uint32_t bits = uint32_t{src[i]} << 16;
-      std::memcpy(dst + i, &bits, 4);
-    }
-  } else {
-    const float* table = Fp16Table();
-    for (int i = 0; i < n; ++i) dst[i] = table[src[i]];
-  }
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "kernels/cpu/attend_block.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace generic {
+#include "kernels/cpu/attend_block.inc"
+}  // namespace generic
+
+bool HasAvx2Fma() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
 }
 
-// Eight-wide vectors through GCC's vector extension: AVX2 registers in the x86-64-v3
-// clone, pairs of SSE registers otherwise.
-typedef float V8 __attribute__((vector_size(32)));
-
-inline V8 Load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+void AttendBlock(const float* q, const float* k, int n, int rows, const int* visible, float* scores, float* m,
+                 float* l, float* acc) {
+  (HasAvx2Fma() ? avx2::AttendBlock : generic::AttendBlock)(q, k, n, rows, visible, scores, m, l, acc);
 }
 
-inline float Dot576(const float* __restrict a, const float* __restrict b) {
-  // Four independent vector accumulators keep multiply-adds in flight on both pipes.
-  V8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-  for (int d = 0; d < kHeadDimQK; d += 32) {
-    s0 += Load8(a + d) * Load8(b + d);
-    s1 += Load8(a + d + 8) * Load8(b + d + 8);
-    s2 += Load8(a + d + 16) * Load8(b + d + 16);
-    s3 += Load8(a + d + 24) * Load8(b + d + 24);
-  }
-  const V8 s = (s0 + s1) + (s2 + s3);
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+void ToFloatRows(DType dtype, const uint16_t* src, int64_t src_stride, int n, float* dst) {
+  (HasAvx2Fma() ? avx2::ToFloatRows : generic::ToFloatRows)(dtype, src, src_stride, n, dst);
 }
 
-inline void Axpy512(float alpha, const float* __restrict x, float* __restrict y) {
+void Axpy512(float alpha, const float* __restrict x, float* __restrict y) {
   for (int d = 0; d < kHeadDimV; ++d) y[d] += alpha * x[d];
 }
 
-// The hot loop: one block of up to 64 keys (already fp32) against every query row of
-// the item, with the online-softmax update. Built twice, for AVX2+FMA hosts and for any
-// x86-64, and picked at load time.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-void AttendBlock(const float* __restrict q, const float* __restrict k, int n, int rows, const int* __restrict visible,
-                 float* __restrict scores, float* __restrict m, float* __restrict l, float* __restrict acc) {
-  for (int r = 0; r < rows; ++r) {
-    const int vis = std::min(n, visible[r]);
-    if (vis <= 0) continue;
-    const float* qr = q + size_t(r) * kHeadDimQK;
-    float* sc = scores + size_t(r) * kPageSize;
-    float mx = m[r];
-    for (int j = 0; j < vis; ++j) {
-      sc[j] = Dot576(qr, k + size_t(j) * kHeadDimQK);
-      mx = std::max(mx, sc[j]);
-    }
-    const float alpha = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
-    float* a = acc + size_t(r) * kHeadDimV;
-    if (alpha != 1.f)
-      for (int d = 0; d < kHeadDimV; ++d) a[d] *= alpha;
-    float sum = 0.f;
-    for (int j = 0; j < vis; ++j) {
-      const float e = std::exp(sc[j] - mx);
-      sum += e;
-      Axpy512(e, k + size_t(j) * kHeadDimQK, a);
-    }
-    l[r] = l[r] * alpha + sum;
-    m[r] = mx;
-  }
-}
-
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-void ToFloatRows(DType dtype, const uint16_t* __restrict src, int64_t src_stride, int n, float* __restrict dst) {
-  for (int j = 0; j < n; ++j) ToFloat(dtype, src + j * src_stride, dst + size_t(j) * kHeadDimQK, kHeadDimQK);
-}
 
 }  // namespace
 
@@ -245,7 +203,7 @@ void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scra
     const int i = r / group, h = item.kv_head * group + r % group;
     const uint16_t* src = q + item.batch * p.q_batch_stride + i * p.q_seq_stride + h * p.q_head_stride;
     float* dst = s.q.data() + size_t(r) * kHeadDimQK;
-    ToFloat(p.dtype, src, dst, kHeadDimQK);
+    ToFloatRows(p.dtype, src, kHeadDimQK, 1, dst);
     for (int d = 0; d < kHeadDimQK; ++d) dst[d] *= p.softmax_scale;
     int lim = p.causal ? len - p.s_q + i + 1 : len;
     lim = std::clamp(lim, 0, len);
