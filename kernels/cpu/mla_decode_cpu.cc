@@ -35,12 +35,14 @@ namespace generic {
 #include "kernels/cpu/attend_block.inc"
 }  // namespace generic
 
+std::atomic<bool> g_force_generic{false};
+
 bool HasAvx2Fma() {
   static const bool yes = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
-  return yes;
+  return yes && !g_force_generic.load(std::memory_order_relaxed);
 }
 
 void AttendBlock(const float* q, const float* k, int n, int rows, const int* visible, float* scores, float* m,
@@ -58,6 +60,9 @@ void Axpy512(float alpha, const float* __restrict x, float* __restrict y) {
 
 
 }  // namespace
+
+void CpuMlaDecoder::ForceGenericCodeForTesting(bool force) { g_force_generic.store(force); }
+bool CpuMlaDecoder::UsesAvx2() { return HasAvx2Fma(); }
 
 CpuMlaDecoder::CpuMlaDecoder(int num_threads) {
   if (num_threads <= 0) num_threads = std::max(1u, std::thread::hardware_concurrency());

@@ -29,6 +29,11 @@ class CpuMlaDecoder {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
+  // The inner loops exist for AVX2+FMA and for any x86-64, chosen by the CPU; tests
+  // force the portable one to check it on AVX2 hosts too (process-wide).
+  static void ForceGenericCodeForTesting(bool force);
+  static bool UsesAvx2();
+
   // Keys per split-K partition when a call has fewer (sequence, KV head) items than
   // threads; exposed for tests so that small inputs exercise the split path.
   void set_min_keys_per_split(int keys) { min_keys_per_split_ = keys; }

@@ -108,6 +108,26 @@ TEST(CpuMlaDecode, RandomShapes) {
   }
 }
 
+// The portable variant of the inner loops (hosts without AVX2/FMA) computes the same.
+TEST(CpuMlaDecode, PortableCodeMatchesReference) {
+  CpuMlaDecoder::ForceGenericCodeForTesting(true);
+  EXPECT_FALSE(CpuMlaDecoder::UsesAvx2());
+  std::mt19937_64 rng(8);
+  CpuMlaDecoder dec(2);
+  dec.set_min_keys_per_split(64);
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    ProblemShape s;
+    s.dtype = dt;
+    s.batch = 3;
+    s.h_q = 6;
+    s.s_q = 2;
+    s.causal = true;
+    s.seqlens = {0, 70, 300};
+    CheckShape(s, dec, rng);
+  }
+  CpuMlaDecoder::ForceGenericCodeForTesting(false);
+}
+
 TEST(CpuMlaDecode, StridedViews) {
   // q and out as views into wider buffers: the decoder must honour the strides.
   std::mt19937_64 rng(5);
