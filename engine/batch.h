@@ -33,6 +33,7 @@ struct Batch {
   int tokens = 0;                   // sum of s_q
   absl::Time formed_at;
   absl::Time launched_at;
+  uint64_t kv_read = 0;             // KvCacheManager::OpenRead while the batch runs
 };
 
 }  // namespace latentd::engine

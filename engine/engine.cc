@@ -273,6 +273,9 @@ class EngineImpl final : public Engine {
   void Stage(Batch& batch) {
     const absl::Time now = absl::Now();
     absl::MutexLock lock(&kv_mu_);
+    // The batch reads its pages until Finish, after the lock is gone: pages a release
+    // frees meanwhile are not handed out again before then.
+    batch.kv_read = kv_.OpenRead();
     const int64_t num_pages = backend_->kv_config().num_pages;
     for (auto& e : batch.entries) {
       DecodeStep* s = e.step;
@@ -314,6 +317,10 @@ class EngineImpl final : public Engine {
 
   void Finish(Batch& batch) {
     backend_->Finish(batch);
+    {
+      absl::MutexLock lock(&kv_mu_);
+      kv_.CloseRead(batch.kv_read);
+    }
     const absl::Time now = absl::Now();
     int ok = 0;
     for (auto& e : batch.entries) {

@@ -171,8 +171,24 @@ int32_t KvCacheManager::AllocPage() {
 
 bool KvCacheManager::Unref(int32_t page) {
   if (--refcount_[page] > 0) return false;
-  free_list_.push_back(page);
+  if (reads_opened_ > reads_closed_) {
+    retiring_.push_back({reads_opened_, page});
+  } else {
+    free_list_.push_back(page);
+  }
   return true;
+}
+
+uint64_t KvCacheManager::OpenRead() { return ++reads_opened_; }
+
+void KvCacheManager::CloseRead(uint64_t read) {
+  reads_closed_ = std::max(reads_closed_, read);
+  size_t n = 0;
+  while (n < retiring_.size() && retiring_[n].after_read <= reads_closed_) {
+    free_list_.push_back(retiring_[n].page);
+    ++n;
+  }
+  retiring_.erase(retiring_.begin(), retiring_.begin() + static_cast<std::ptrdiff_t>(n));
 }
 
 absl::StatusOr<Sequence*> KvCacheManager::Fork(absl::string_view id,
@@ -381,7 +397,8 @@ KvCacheManager::Stats KvCacheManager::GetStats() const {
   Stats s;
   s.total_pages = config_.num_pages;
   s.free_pages = free_pages();
-  s.used_pages = s.total_pages - s.free_pages;
+  s.retiring_pages = retiring_pages();
+  s.used_pages = s.total_pages - s.free_pages - s.retiring_pages;
   s.high_water_pages = high_water_;
   s.sequences = static_cast<int64_t>(sequences_.size());
   return s;
@@ -440,9 +457,21 @@ absl::Status KvCacheManager::CheckConsistency() const {
     }
     on_free_list[page] = true;
   }
-  if (used + free_pages() != config_.num_pages) {
-    return absl::InternalError(absl::StrCat(used, " used + ", free_pages(),
-                                            " free pages != ", config_.num_pages, " total"));
+  uint64_t last = 0;
+  for (const Retiring& r : retiring_) {
+    if (r.page < 0 || r.page >= config_.num_pages || on_free_list[r.page] || refcount_[r.page] != 0) {
+      return absl::InternalError(absl::StrCat("retiring page ", r.page, " is out of range, free or referenced"));
+    }
+    if (r.after_read < last || r.after_read <= reads_closed_ || r.after_read > reads_opened_) {
+      return absl::InternalError(absl::StrCat("retiring page ", r.page, " waits for read ", r.after_read,
+                                              " (closed up to ", reads_closed_, ", opened ", reads_opened_, ")"));
+    }
+    last = r.after_read;
+    on_free_list[r.page] = true;
+  }
+  if (used + free_pages() + retiring_pages() != config_.num_pages) {
+    return absl::InternalError(absl::StrCat(used, " used + ", free_pages(), " free + ", retiring_pages(),
+                                            " retiring pages != ", config_.num_pages, " total"));
   }
   if (high_water_ < used || high_water_ > config_.num_pages) {
     return absl::InternalError(

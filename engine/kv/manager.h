@@ -104,10 +104,21 @@ class KvCacheManager {
   // Ids of sequences last used before `cutoff`.
   std::vector<std::string> IdleSequences(absl::Time cutoff) const;
 
+  // Reads outside the manager's lock. A batch reads pages through tables it looked up
+  // under the engine's lock and keeps reading after the lock is dropped, so a page
+  // freed meanwhile (a release, a fork's last reference going away) must not be handed
+  // out again until that read is over. OpenRead marks such a read; pages freed while
+  // any read is open wait ("retiring") until every read opened before the free has
+  // closed. Reads close in the order they opened; CloseRead takes the id OpenRead gave.
+  uint64_t OpenRead();
+  void CloseRead(uint64_t read);
+  int64_t retiring_pages() const { return static_cast<int64_t>(retiring_.size()); }
+
   struct Stats {
     int64_t total_pages = 0;
-    int64_t free_pages = 0;
-    int64_t used_pages = 0;
+    int64_t free_pages = 0;      // ready to hand out
+    int64_t retiring_pages = 0;  // freed, waiting for open reads to close
+    int64_t used_pages = 0;      // held by sequences
     int64_t high_water_pages = 0;  // most pages ever used at once
     int64_t sequences = 0;
   };
@@ -130,13 +141,20 @@ class KvCacheManager {
   // Drops table entries past what the longest layer needs.
   void TrimTable(Sequence* seq);
   int32_t AllocPage();
-  // Drops one reference; returns true when the page became free.
+  // Drops one reference; returns true when the page became free (or retiring).
   bool Unref(int32_t page);
+
+  struct Retiring {
+    uint64_t after_read;  // free once reads up to this id have closed
+    int32_t page;
+  };
 
   const KvCacheConfig config_;
   KvStorage* const storage_;
   std::vector<int32_t> refcount_;   // per logical page
   std::vector<int32_t> free_list_;  // stack of free page ids
+  std::vector<Retiring> retiring_;  // in order of after_read
+  uint64_t reads_opened_ = 0, reads_closed_ = 0;
   int64_t high_water_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_;
 };

@@ -2,6 +2,7 @@
 // copy-on-write, release, truncation, capacity figures, idle listing, and every error.
 #include "engine/kv/manager.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <string>
@@ -521,6 +522,49 @@ TEST_F(ManagerTest, ReleaseFreesOnlyUnsharedPages) {
   EXPECT_TRUE(StartsWith(unknown.status(), "sequence_id: ")) << unknown.status();
   // A released id can be used again.
   EXPECT_NE(Create("a"), nullptr);
+}
+
+TEST_F(ManagerTest, PagesFreedDuringAReadWaitForItToClose) {
+  Sequence* a = Create("a");
+  AppendAll(a, 64 * 3, 1);  // 3 pages
+  Sequence* b = Create("b");
+  AppendAll(b, 64 * 2, 100);  // 2 pages
+  // Read 1 covers a and b (a batch computing on their pages); then a goes away.
+  const uint64_t r1 = mgr_->OpenRead();
+  const std::vector<int32_t> a_pages = mgr_->BlockTable(a);
+  auto freed = mgr_->Release("a");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, 3);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 3);
+  EXPECT_EQ(mgr_->GetStats().retiring_pages, 3);
+  EXPECT_EQ(mgr_->GetStats().used_pages, 2);
+  ExpectConsistent();
+  // Nothing allocated now may land on a's pages: c gets the 3 free ones, then runs out.
+  Sequence* c = Create("c");
+  AppendAll(c, 64 * 3, 200);
+  for (int32_t page : mgr_->BlockTable(c)) {
+    EXPECT_EQ(std::count(a_pages.begin(), a_pages.end(), page), 0) << "page " << page;
+  }
+  EXPECT_EQ(Append(c, 0, 64, 300).code(), absl::StatusCode::kResourceExhausted);
+  ExpectRows(b, 1, 0, 64 * 2, 100);
+  // Read 2 opens later (the next batch), and b is released while both are open.
+  const uint64_t r2 = mgr_->OpenRead();
+  ASSERT_TRUE(mgr_->Release("b").ok());
+  EXPECT_EQ(mgr_->GetStats().retiring_pages, 5);
+  ExpectConsistent();
+  // Closing read 1 frees a's pages only: b's may still be read by read 2.
+  mgr_->CloseRead(r1);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 3);
+  EXPECT_EQ(mgr_->GetStats().retiring_pages, 2);
+  ExpectConsistent();
+  mgr_->CloseRead(r2);
+  EXPECT_EQ(mgr_->GetStats().free_pages, 5);
+  EXPECT_EQ(mgr_->GetStats().retiring_pages, 0);
+  ExpectConsistent();
+  // With no read open, a release frees at once.
+  ASSERT_TRUE(mgr_->Release("c").ok());
+  EXPECT_EQ(mgr_->GetStats().free_pages, 8);
+  ExpectConsistent();
 }
 
 TEST_F(ManagerTest, StatsAndHighWaterMark) {
