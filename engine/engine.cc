@@ -3,6 +3,8 @@
 // most one step per (sequence, layer) per batch, while the previous batch computes).
 #include "engine/engine.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cmath>
 #include <thread>
@@ -33,7 +35,10 @@ class EngineImpl final : public Engine {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
     pending_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
-    scheduler_ = std::thread([this] { Loop(); });
+    scheduler_ = std::thread([this] {
+      pthread_setname_np(pthread_self(), "latentd-sched");  // for top -H and debuggers
+      Loop();
+    });
   }
 
   ~EngineImpl() override {

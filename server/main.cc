@@ -1,6 +1,7 @@
 // latentd: the MLA decode attention daemon. Parses flags, builds the engine, serves
 // latentd.v1.DecodeService (plus health and reflection) and drains cleanly on
 // SIGTERM/SIGINT: health NOT_SERVING, new work UNAVAILABLE, accepted steps finish.
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -234,6 +235,7 @@ int Run() {
   const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
   const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
   std::thread housekeeping([&] {
+    pthread_setname_np(pthread_self(), "latentd-house");
     const absl::Duration ttl = absl::Seconds(ttl_s);
     // Fine enough for short test TTLs, rare enough not to contend with the scheduler.
     const absl::Duration period =

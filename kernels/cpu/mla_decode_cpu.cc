@@ -4,8 +4,11 @@
 // exactly like the GPU's split-K.
 #include "kernels/cpu/mla_decode_cpu.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 #include "kernels/cpu/half.h"
@@ -67,7 +70,14 @@ bool CpuMlaDecoder::UsesAvx2() { return HasAvx2Fma(); }
 CpuMlaDecoder::CpuMlaDecoder(int num_threads) {
   if (num_threads <= 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
   scratch_.resize(num_threads);
-  for (int t = 1; t < num_threads; ++t) workers_.emplace_back([this, t] { WorkerLoop(t); });
+  for (int t = 1; t < num_threads; ++t) {
+    workers_.emplace_back([this, t] {
+      char name[16];
+      std::snprintf(name, sizeof(name), "latentd-cpu%d", t);
+      pthread_setname_np(pthread_self(), name);  // for top -H and debuggers
+      WorkerLoop(t);
+    });
+  }
   Fp16Table();
 }
 
