@@ -1,11 +1,13 @@
 // Thousands of random create / append / reserve / truncate / fork / release operations
 // on a small pool, checked against a shadow model after every one: bookkeeping stays
 // consistent, no page leaks or is freed twice, out-of-pages failures happen exactly when
-// the pages needed exceed the free ones and change nothing, and every row reads back as
-// written, through forks and copy-on-write.
+// the pages needed exceed the free ones and change nothing, every row reads back as
+// written, through forks and copy-on-write, and (with reads open) no page freed under
+// an open read is handed out before that read closes.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <random>
 #include <string>
@@ -30,13 +32,17 @@ void FillRow(const KvCacheConfig& c, uint32_t tag, char* out) {
 
 class PropertyRun {
  public:
-  PropertyRun(const KvCacheConfig& config, uint64_t seed) : config_(config), rng_(seed) {
+  // with_reads: also open and close reads (KvCacheManager::OpenRead) at random.
+  PropertyRun(const KvCacheConfig& config, uint64_t seed, bool with_reads = false)
+      : config_(config), rng_(seed), with_reads_(with_reads) {
     auto st = MakeHostKvStorage(config_);
     EXPECT_TRUE(st.ok()) << st.status();
     storage_ = *std::move(st);
     mgr_ = std::make_unique<KvCacheManager>(config_, storage_.get());
     row_.resize(config_.row_bytes());
     expect_.resize(config_.row_bytes());
+    prev_refs_.assign(config_.num_pages, 0);
+    freed_under_.assign(config_.num_pages, 0);
   }
 
   void Run(int ops) {
@@ -44,6 +50,7 @@ class PropertyRun {
       Step();
       if (::testing::Test::HasFatalFailure() || ::testing::Test::HasFailure()) return;
       CheckBookkeeping();
+      CheckReuse();
       if (op_ % 25 == 0) VerifyAllRows();
     }
     VerifyAllRows();
@@ -59,6 +66,7 @@ class PropertyRun {
       Forget(id);
       CheckBookkeeping();
     }
+    while (!open_reads_.empty()) CloseReadOp();
     const auto stats = mgr_->GetStats();
     EXPECT_EQ(stats.free_pages, config_.num_pages);
     EXPECT_EQ(stats.used_pages, 0);
@@ -67,6 +75,10 @@ class PropertyRun {
     EXPECT_GT(out_of_pages_, 0);
     EXPECT_GT(cow_copies_, 0);
     EXPECT_GT(forks_, 0);
+    if (with_reads_) {
+      EXPECT_GT(reads_, 0);
+      EXPECT_GT(retired_, 0);  // some pages were freed under an open read
+    }
   }
 
  private:
@@ -129,6 +141,10 @@ class PropertyRun {
   }
 
   void Step() {
+    if (with_reads_ && Uniform(0, 99) < 10) {
+      if (open_reads_.size() < 3 && (open_reads_.empty() || Uniform(0, 1))) return OpenReadOp();
+      if (!open_reads_.empty()) return CloseReadOp();
+    }
     const int r = Uniform(0, 99);
     if (model_.empty() || r < 8) return Create();
     // Release more eagerly when the pool runs low, so it keeps cycling.
@@ -296,12 +312,40 @@ class PropertyRun {
     }
   }
 
+  void OpenReadOp() {
+    open_reads_.push_back(mgr_->OpenRead());
+    ++reads_;
+  }
+
+  void CloseReadOp() {
+    mgr_->CloseRead(open_reads_.front());
+    closed_upto_ = open_reads_.front();
+    open_reads_.pop_front();
+  }
+
+  // Pages that went free in the last operation remember the newest open read; a page
+  // taken again must not be remembered by a read still open.
+  void CheckReuse() {
+    for (int32_t p = 0; p < config_.num_pages; ++p) {
+      const int32_t refs = mgr_->RefCount(p);
+      if (prev_refs_[p] > 0 && refs == 0) {
+        freed_under_[p] = open_reads_.empty() ? 0 : open_reads_.back();
+        if (!open_reads_.empty()) ++retired_;
+      }
+      if (prev_refs_[p] == 0 && refs > 0) {
+        ASSERT_LE(freed_under_[p], closed_upto_)
+            << "op " << op_ << ": page " << p << " reused while read " << freed_under_[p] << " is open";
+      }
+      prev_refs_[p] = refs;
+    }
+  }
+
   void ReleaseOp() {
     const std::string id = PickSequence();
-    const int64_t free_before = mgr_->free_pages();
+    const int64_t free_before = mgr_->free_pages() + mgr_->retiring_pages();
     auto freed = mgr_->Release(id);
     ASSERT_TRUE(freed.ok()) << freed.status();
-    EXPECT_EQ(mgr_->free_pages(), free_before + *freed);
+    EXPECT_EQ(mgr_->free_pages() + mgr_->retiring_pages(), free_before + *freed);
     EXPECT_EQ(mgr_->Find(id), nullptr);
     EXPECT_EQ(mgr_->Release(id).status().code(), absl::StatusCode::kNotFound);
     Forget(id);
@@ -321,7 +365,8 @@ class PropertyRun {
     ASSERT_TRUE(c.ok()) << "op " << op_ << ": " << c;
     const auto stats = mgr_->GetStats();
     ASSERT_EQ(stats.sequences, static_cast<int64_t>(model_.size()));
-    ASSERT_EQ(stats.used_pages + stats.free_pages, stats.total_pages);
+    ASSERT_EQ(stats.used_pages + stats.free_pages + stats.retiring_pages, stats.total_pages);
+    if (open_reads_.empty()) ASSERT_EQ(stats.retiring_pages, 0) << "op " << op_;
     ASSERT_LE(stats.used_pages, stats.high_water_pages);
     for (const auto& [id, rows] : model_) {
       const Sequence* seq = mgr_->Find(id);
@@ -367,12 +412,29 @@ class PropertyRun {
   int next_id_ = 0;
   int op_ = 0;
   int64_t out_of_pages_ = 0, cow_copies_ = 0, forks_ = 0;
+  // Reads: open ones oldest first, the newest closed, and per page the newest read open
+  // when it was last freed (0: none).
+  const bool with_reads_;
+  std::deque<uint64_t> open_reads_;
+  uint64_t closed_upto_ = 0;
+  std::vector<int32_t> prev_refs_;
+  std::vector<uint64_t> freed_under_;
+  int64_t reads_ = 0, retired_ = 0;
 };
 
 TEST(KvCacheManagerProperty, RandomOperationsMatchTheModel) {
   for (uint64_t seed : {1, 2, 3, 4}) {
     SCOPED_TRACE(absl::StrCat("seed ", seed));
     PropertyRun run(KvCacheConfig{3, 1, 24}, seed);
+    run.Run(4000);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(KvCacheManagerProperty, PagesFreedUnderOpenReadsWaitForThem) {
+  for (uint64_t seed : {21, 22}) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    PropertyRun run(KvCacheConfig{3, 1, 24}, seed, /*with_reads=*/true);
     run.Run(4000);
     if (::testing::Test::HasFailure()) return;
   }
