@@ -55,6 +55,8 @@ ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "largest request message accepted; larger ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_stream_inflight, 1024, "unanswered steps per Decode stream before the server stops reading it");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
+ABSL_FLAG(int64_t, stream_stall_timeout_s, 60,
+          "cancel a Decode stream whose client has not taken a response for this long (0: never)");
 ABSL_FLAG(int64_t, stats_interval_s, 60, "log engine stats this often while busy (0: never)");
 ABSL_FLAG(int64_t, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long accepted steps may take to finish");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key serves TLS");
@@ -234,18 +236,27 @@ int Run() {
   absl::Notification stop_housekeeping;
   const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
   const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
+  const int64_t stall_s = absl::GetFlag(FLAGS_stream_stall_timeout_s);
   std::thread housekeeping([&] {
     pthread_setname_np(pthread_self(), "latentd-house");
     const absl::Duration ttl = absl::Seconds(ttl_s);
-    // Fine enough for short test TTLs, rare enough not to contend with the scheduler.
-    const absl::Duration period =
-        ttl_s > 0 ? std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)) : absl::Seconds(1);
+    const absl::Duration stall = absl::Seconds(stall_s);
+    // Fine enough for short test timeouts, rare enough not to contend with the scheduler.
+    absl::Duration period = absl::Seconds(1);
+    if (ttl_s > 0) period = std::min(period, std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)));
+    if (stall_s > 0) period = std::min(period, std::clamp(stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
     absl::Time next_stats = absl::Now() + absl::Seconds(stats_s);
     uint64_t last_steps = 0;
     while (!stop_housekeeping.WaitForNotificationWithTimeout(period)) {
       if (ttl_s > 0) {
         const int released = engine->ReleaseIdleSequences(ttl);
         if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);
+      }
+      if (stall_s > 0) {
+        const int cancelled = service.CancelStalledStreams(stall);
+        if (cancelled > 0) {
+          spdlog::warn("cancelled {} Decode streams whose client took no response for {}s", cancelled, stall_s);
+        }
       }
       if (stats_s > 0 && absl::Now() >= next_stats) {
         next_stats = absl::Now() + absl::Seconds(stats_s);

@@ -87,7 +87,8 @@ bool IsValidSequenceId(absl::string_view id) {
 class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>,
                             public engine::StepCallback {
  public:
-  DecodeReactor(DecodeServiceImpl* service, grpc::Status initial) : service_(service) {
+  DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial)
+      : service_(service), ctx_(ctx) {
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
       finished_ = true;
@@ -188,6 +189,30 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     Act(p);
   }
 
+  // Cancels the stream if a response write has been pending since before `cutoff`: the
+  // client stopped reading, and flow control would hold this stream (its slots and
+  // results) until the client's deadline, or for ever without one. Returns true if so.
+  // The caller holds a Ref.
+  bool CancelIfStalled(absl::Time cutoff) {
+    {
+      absl::MutexLock l(&mu_);
+      if (finished_ || !writing_ || write_started_ >= cutoff || cancelling_) return false;
+      // No Finish until TryCancel has returned: the context lives until OnDone, which
+      // only follows Finish. mu_ is not held across TryCancel, whose reactions (OnCancel,
+      // OnWriteDone) may run inline on this thread.
+      cancelling_ = true;
+    }
+    ctx_->TryCancel();
+    Plan p;
+    {
+      absl::MutexLock l(&mu_);
+      cancelling_ = false;
+      p = PlanLocked();
+    }
+    Act(p);
+    return true;
+  }
+
  private:
   // One step's storage, owned by the stream and reused. The engine sees the DecodeStep
   // base only and hands it back in StepDone.
@@ -218,6 +243,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     if (!writing_ && !done_.empty()) {
       FillResponseLocked();
       writing_ = true;
+      write_started_ = absl::Now();
       p.write = true;
     }
     const int64_t open = inflight_ + static_cast<int64_t>(done_.size());
@@ -227,7 +253,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
       p.read = true;
     }
     const bool idle = inflight_ == 0 && !writing_ && done_.empty() && !processing_;
-    if (idle && (gone || (reads_done_ && !reading_) || draining_)) {
+    if (idle && !cancelling_ && (gone || (reads_done_ && !reading_) || draining_)) {
       finished_ = true;
       p.finish = true;
       if (gone) {
@@ -367,6 +393,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   }
 
   DecodeServiceImpl* const service_;
+  CallbackServerContext* const ctx_;  // gRPC's; valid until OnDone
   bool registered_ = false;
   std::atomic<bool> cancelled_{false};
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone; plus one per Act in progress
@@ -384,6 +411,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool processing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);  // of the outstanding write
+  bool cancelling_ ABSL_GUARDED_BY(mu_) = false;   // CancelIfStalled is in TryCancel
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -612,7 +641,7 @@ grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* DecodeServiceImp
     CallbackServerContext* ctx) {
   grpc::Status st = CheckAuth(ctx);
   if (st.ok() && draining()) st = Unavailable();
-  return new DecodeReactor(this, std::move(st));
+  return new DecodeReactor(this, ctx, std::move(st));
 }
 
 void DecodeServiceImpl::Register(DecodeReactor* reactor) {
@@ -629,6 +658,22 @@ void DecodeServiceImpl::Unregister(DecodeReactor* reactor) {
 int DecodeServiceImpl::OpenStreams() const {
   absl::MutexLock l(&streams_mu_);
   return static_cast<int>(streams_.size());
+}
+
+int DecodeServiceImpl::CancelStalledStreams(absl::Duration stall) {
+  const absl::Time cutoff = absl::Now() - stall;
+  std::vector<DecodeReactor*> open;  // kept alive by a reference, as in BeginDrain
+  {
+    absl::MutexLock l(&streams_mu_);
+    open.assign(streams_.begin(), streams_.end());
+    for (DecodeReactor* r : open) r->Ref();
+  }
+  int cancelled = 0;
+  for (DecodeReactor* r : open) {
+    cancelled += r->CancelIfStalled(cutoff) ? 1 : 0;
+    r->Unref();
+  }
+  return cancelled;
 }
 
 void DecodeServiceImpl::BeginDrain() {

@@ -63,6 +63,10 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Decode streams not yet finished.
   int OpenStreams() const;
+  // Cancels Decode streams whose client has not taken a response for `stall` (a write
+  // pending that long); returns how many. Their unstarted steps are dropped, as when a
+  // client goes away.
+  int CancelStalledStreams(absl::Duration stall);
 
   // Fixed per-model sizes, computed once.
   struct Shape {

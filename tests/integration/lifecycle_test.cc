@@ -1,6 +1,7 @@
 // The daemon's life cycle end to end: a client killed mid-stream corrupts nothing and
 // its sequences expire after the TTL; SIGTERM loses no accepted step while health reads
-// NOT_SERVING and new work is refused; the bearer token and TLS paths.
+// NOT_SERVING and new work is refused; a stream whose client stops reading is
+// cancelled; the bearer token and TLS paths.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -213,6 +214,46 @@ TEST(LifecycleTest, SigtermLosesNoAcceptedStep) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(log, m, std::regex("drained in [0-9.]+s: ([0-9]+) steps completed"))) << log;
   EXPECT_EQ(std::stoi(m[1]), ok + probe_ok) << log;
+}
+
+TEST(LifecycleTest, StreamWhoseClientStopsReadingIsCancelled) {
+  // 128 heads: 128 KiB of output per step, so unread results soon fill the flow-control
+  // window and the server's write stays pending.
+  Daemon daemon({"--num_layers=1", "--num_heads_q=128", "--stream_stall_timeout_s=1"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  auto stalled_seq = tracker.NewSequence({64});
+  auto other = tracker.NewSequence({200});
+  ASSERT_TRUE(stalled_seq.ok() && other.ok());
+
+  auto stream = (*c)->OpenDecodeStream();
+  constexpr int kSteps = 400;  // about 50 MiB of results
+  for (int i = 0; i < kSteps; i += 10) {
+    v1::DecodeRequest req;
+    for (int j = 0; j < 10; ++j) *req.add_steps() = tracker.Step(*stalled_seq, 0);
+    ASSERT_TRUE(stream->Write(req));
+  }
+  // Read nothing. Within a few seconds the server gives up on the stream.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains(daemon.Log(), "cancelled 1 Decode streams") && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(absl::StrContains(daemon.Log(), "cancelled 1 Decode streams")) << daemon.Log();
+  v1::DecodeResponse resp;
+  int results = 0;
+  while (stream->Read(&resp)) results += resp.results_size();
+  EXPECT_LT(results, kSteps);
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  // Everyone else is served as before, and the stream's resources are gone.
+  auto r = (*c)->DecodeAll({tracker.Step(*other, 0)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(tracker.Check(r->begin()->second).ok()) << tracker.Check(r->begin()->second);
+  auto info = (*c)->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->sequences(), 2);
+  EXPECT_TRUE(daemon.Running());
 }
 
 TEST(LifecycleTest, TakenPortFailsTheStart) {
