@@ -5,6 +5,8 @@
 // the steady state allocates nothing beyond what protobuf parsing needs.
 #include "server/service.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -445,6 +447,13 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
       Finish(grpc::Status::OK);
       return;
     }
+    service_->EnqueueUpload(this);  // ApplyQueued runs there; no read is outstanding meanwhile
+  }
+
+  void OnDone() override { delete this; }
+
+  // The upload thread: applies the message just read, then reads the next or finishes.
+  void ApplyQueued() {
     grpc::Status st = Apply();
     if (!st.ok()) {
       Finish(st);
@@ -452,8 +461,6 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
     }
     StartRead(&request_);
   }
-
-  void OnDone() override { delete this; }
 
  private:
   grpc::Status Apply() {
@@ -479,8 +486,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
                           absl::StrCat(where, "kv: ", kb, " bytes; expected a multiple of h_kv * 576 * 2 = ",
                                        sh.kv_row_bytes, " bytes ([n, ", sh.h_kv, ", 576] in the server dtype)"));
     }
-    // Synchronous but short: the engine copies the rows into its pool under its KV lock
-    // (no batch is waited for).
+    // The engine copies the rows into its pool under its KV lock (no batch is waited for).
     auto lengths = service_->engine()->AppendKv(sequence_id_, request_.layer(), request_.kv());
     if (!lengths.ok()) {
       return Prefixed(lengths.status(), absl::StrCat(where, "(", rows_, " rows appended before it) "));
@@ -511,9 +517,43 @@ DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions opti
   shape_.q_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimQK * kDtypeBytes;
   shape_.kv_row_bytes = int64_t{shape_.h_kv} * kernels::kHeadDimQK * kDtypeBytes;
   shape_.out_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimV * kDtypeBytes;
+  uploader_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "latentd-upload");  // for top -H and debuggers
+    UploadLoop();
+  });
 }
 
-DecodeServiceImpl::~DecodeServiceImpl() = default;
+// The server has shut down before this runs, so no AppendKv stream is left waiting.
+DecodeServiceImpl::~DecodeServiceImpl() {
+  {
+    absl::MutexLock l(&upload_mu_);
+    stop_uploads_ = true;
+  }
+  uploader_.join();
+}
+
+void DecodeServiceImpl::EnqueueUpload(AppendKvReactor* reactor) {
+  absl::MutexLock l(&upload_mu_);
+  uploads_.push_back(reactor);
+}
+
+void DecodeServiceImpl::UploadLoop() {
+  for (;;) {
+    AppendKvReactor* r = nullptr;
+    {
+      absl::MutexLock l(&upload_mu_);
+      upload_mu_.Await(absl::Condition(
+          +[](DecodeServiceImpl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->upload_mu_) {
+            return self->stop_uploads_ || !self->uploads_.empty();
+          },
+          this));
+      if (uploads_.empty()) return;  // stopping, and nothing left
+      r = uploads_.front();
+      uploads_.pop_front();
+    }
+    r->ApplyQueued();
+  }
+}
 
 grpc::Status DecodeServiceImpl::CheckAuth(const grpc::CallbackServerContext* ctx) const {
   if (options_.auth_token.empty()) return grpc::Status::OK;

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
@@ -34,6 +36,7 @@ grpc::Status ToGrpc(const absl::Status& status);
 // callers since some RPCs accept them (server-chosen id).
 bool IsValidSequenceId(absl::string_view id);
 
+class AppendKvReactor;
 class DecodeReactor;
 
 class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackService {
@@ -83,9 +86,14 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   grpc::Status CheckAuth(const grpc::CallbackServerContext* ctx) const;
 
  private:
+  friend class AppendKvReactor;
   friend class DecodeReactor;
   void Register(DecodeReactor* reactor);
   void Unregister(DecodeReactor* reactor);
+  // AppendKv messages are applied on the upload thread, not on gRPC's: the copy into the
+  // KV pool runs under the engine's KV lock and takes milliseconds for a large message.
+  void EnqueueUpload(AppendKvReactor* reactor);
+  void UploadLoop();
 
   engine::Engine* const engine_;
   const ServiceOptions options_;
@@ -96,6 +104,11 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   // Touched once per stream (open, close, drain), never per step.
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+
+  absl::Mutex upload_mu_;
+  std::deque<AppendKvReactor*> uploads_ ABSL_GUARDED_BY(upload_mu_);  // each with one message read
+  bool stop_uploads_ ABSL_GUARDED_BY(upload_mu_) = false;
+  std::thread uploader_;  // last member: started once the rest is built
 };
 
 }  // namespace latentd::server
