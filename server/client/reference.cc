@@ -40,6 +40,7 @@ void Reference::Append(const std::string& sequence_id, int layer, absl::string_v
   auto& layers = rows_[sequence_id];
   layers.resize(num_layers_);
   auto& v = layers.at(layer);
+  if (rows.empty()) return;  // memcpy from a null data() is undefined even for 0 bytes
   const size_t old = v.size();
   v.resize(old + rows.size() / 2);
   std::memcpy(v.data() + old, rows.data(), rows.size() / 2 * 2);
