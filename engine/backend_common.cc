@@ -44,7 +44,12 @@ void GroupBatch(const Batch& batch, std::vector<int>* order, std::vector<LaunchG
     const DecodeStep* s = batch.entries[i].step;
     return std::make_pair(s->s_q, s->s_q > 1 && s->causal);
   };
-  std::stable_sort(order->begin(), order->end(), [&](int a, int b) { return key(a) < key(b); });
+  // Ties broken by index: the stable order without stable_sort's temporary buffer (the
+  // hot path allocates nothing).
+  std::sort(order->begin(), order->end(), [&](int a, int b) {
+    const auto ka = key(a), kb = key(b);
+    return ka != kb ? ka < kb : a < b;
+  });
   int token = 0;
   for (int k = 0; k < static_cast<int>(order->size()); ++k) {
     const auto kk = key((*order)[k]);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -34,6 +35,7 @@ class EngineImpl final : public Engine {
         queue_(o.max_queue) {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
     pending_.reserve(o.max_queue);
+    merge_scratch_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
     scheduler_ = std::thread([this] {
       pthread_setname_np(pthread_self(), "latentd-sched");  // for top -H and debuggers
@@ -216,14 +218,17 @@ class EngineImpl final : public Engine {
     done_cv_.SignalAll();
   }
 
-  // Moves queued steps into pending_, keeping arrival order.
+  // Moves queued steps into pending_, keeping arrival order. The merge goes through
+  // merge_scratch_ (reserved once) rather than std::inplace_merge, which allocates.
   void Collect() {
     const size_t before = pending_.size();
     if (queue_.DrainInto(&pending_) > 0 && before > 0) {
-      std::inplace_merge(pending_.begin(), pending_.begin() + before, pending_.end(),
-                         [](const DecodeStep* a, const DecodeStep* b) {
-                           return StepQueue::Arrival(a) < StepQueue::Arrival(b);
-                         });
+      merge_scratch_.clear();
+      std::merge(pending_.begin(), pending_.begin() + before, pending_.begin() + before, pending_.end(),
+                 std::back_inserter(merge_scratch_), [](const DecodeStep* a, const DecodeStep* b) {
+                   return StepQueue::Arrival(a) < StepQueue::Arrival(b);
+                 });
+      pending_.swap(merge_scratch_);
     }
   }
 
@@ -387,6 +392,7 @@ class EngineImpl final : public Engine {
 
   // Scheduler thread only.
   std::vector<DecodeStep*> pending_;
+  std::vector<DecodeStep*> merge_scratch_;
   std::vector<Failed> failed_;
   Batch batches_[2];
 
