@@ -1,7 +1,7 @@
-// The decode hot path allocates nothing per step: once the engine (CPU backend) has
-// served a few rounds, submitting, batching, attending and completing further steps
-// makes no heap allocation on any thread. Counted by replacing the global operator new
-// in this test binary.
+// The decode hot path allocates nothing per step: once the engine has served a few
+// rounds, submitting, batching, attending and completing further steps makes no heap
+// allocation on any thread. Counted by replacing the global operator new in this test
+// binary. Built for the CPU backend (CI) and, with LATENTD_TEST_CUDA, the CUDA one.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -32,15 +32,26 @@ namespace {
 
 using testing::Harness;
 
+#ifdef LATENTD_TEST_CUDA
+constexpr BackendKind kBackend = BackendKind::kCuda;
+constexpr bool kExact = false;
+#else
+constexpr BackendKind kBackend = BackendKind::kCpu;
+constexpr bool kExact = true;
+#endif
+
 TEST(EngineAllocTest, SteadyStateStepsAllocateNothing) {
   EngineOptions o;
   o.model.num_layers = 2;
   o.model.num_heads_q = 16;
-  o.backend = BackendKind::kCpu;
+  o.backend = kBackend;
   o.cpu_threads = 2;
   o.kv_pages = 256;
   o.batch_window = absl::Microseconds(100);
   auto engine = Engine::Create(o);
+#ifdef LATENTD_TEST_CUDA
+  if (!engine.ok()) GTEST_SKIP() << "no CUDA device: " << engine.status();
+#endif
   ASSERT_TRUE(engine.ok()) << engine.status();
   Harness h(engine->get(), 5);
   // Prefixes just past a page boundary, so the rounds below never need a new page (a
@@ -73,7 +84,7 @@ TEST(EngineAllocTest, SteadyStateStepsAllocateNothing) {
   g_counting = false;
   ASSERT_TRUE(done);
   EXPECT_EQ(g_allocations.load(), 0) << "heap allocations while serving " << measured.size() << " steps";
-  for (auto* p : measured) EXPECT_TRUE(h.Check(*p, /*exact=*/true));
+  for (auto* p : measured) EXPECT_TRUE(h.Check(*p, kExact));
 }
 
 }  // namespace
