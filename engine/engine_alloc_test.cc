@@ -9,6 +9,7 @@
 #include <new>
 
 #include "engine/engine.h"
+#include "engine/testing/backend_under_test.h"
 #include "engine/testing/engine_harness.h"
 
 namespace {
@@ -32,13 +33,8 @@ namespace {
 
 using testing::Harness;
 
-#ifdef LATENTD_TEST_CUDA
-constexpr BackendKind kBackend = BackendKind::kCuda;
-constexpr bool kExact = false;
-#else
-constexpr BackendKind kBackend = BackendKind::kCpu;
-constexpr bool kExact = true;
-#endif
+constexpr BackendKind kBackend = testing::kBackendUnderTest;
+constexpr bool kExact = testing::kExactUnderTest;
 
 TEST(EngineAllocTest, SteadyStateStepsAllocateNothing) {
   EngineOptions o;

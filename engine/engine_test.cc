@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "engine/engine.h"
+#include "engine/testing/backend_under_test.h"
 #include "engine/testing/engine_harness.h"
 
 namespace latentd::engine {
@@ -15,13 +16,8 @@ namespace {
 
 using testing::Harness;
 
-#ifdef LATENTD_TEST_CUDA
-constexpr BackendKind kBackend = BackendKind::kCuda;
-constexpr bool kExact = false;
-#else
-constexpr BackendKind kBackend = BackendKind::kCpu;
-constexpr bool kExact = true;
-#endif
+constexpr BackendKind kBackend = testing::kBackendUnderTest;
+constexpr bool kExact = testing::kExactUnderTest;
 
 class EngineTest : public ::testing::Test {
  protected:
