@@ -700,27 +700,11 @@ int DecodeServiceImpl::OpenStreams() const {
   return static_cast<int>(streams_.size());
 }
 
-int DecodeServiceImpl::CancelStalledStreams(absl::Duration stall) {
-  const absl::Time cutoff = absl::Now() - stall;
-  std::vector<DecodeReactor*> open;  // kept alive by a reference, as in BeginDrain
-  {
-    absl::MutexLock l(&streams_mu_);
-    open.assign(streams_.begin(), streams_.end());
-    for (DecodeReactor* r : open) r->Ref();
-  }
-  int cancelled = 0;
-  for (DecodeReactor* r : open) {
-    cancelled += r->CancelIfStalled(cutoff) ? 1 : 0;
-    r->Unref();
-  }
-  return cancelled;
-}
-
-void DecodeServiceImpl::BeginDrain() {
-  draining_.store(true, std::memory_order_release);
-  // Reactors unregister under streams_mu_ before they are deleted, so each one is alive
-  // while we hold the lock; a reference keeps it so while BeginDrain runs unlocked (it
-  // may finish the stream, and the last Unref unregisters).
+// Reactors unregister under streams_mu_ before they are deleted, so each one is alive
+// while the lock is held; a reference keeps it so while `fn` runs unlocked (fn may finish
+// the stream, and the last Unref unregisters).
+template <typename Fn>
+void DecodeServiceImpl::ForEachOpenStream(Fn fn) {
   std::vector<DecodeReactor*> open;
   {
     absl::MutexLock l(&streams_mu_);
@@ -728,9 +712,21 @@ void DecodeServiceImpl::BeginDrain() {
     for (DecodeReactor* r : open) r->Ref();
   }
   for (DecodeReactor* r : open) {
-    r->BeginDrain();
+    fn(r);
     r->Unref();
   }
+}
+
+int DecodeServiceImpl::CancelStalledStreams(absl::Duration stall) {
+  const absl::Time cutoff = absl::Now() - stall;
+  int cancelled = 0;
+  ForEachOpenStream([&](DecodeReactor* r) { cancelled += r->CancelIfStalled(cutoff) ? 1 : 0; });
+  return cancelled;
+}
+
+void DecodeServiceImpl::BeginDrain() {
+  draining_.store(true, std::memory_order_release);
+  ForEachOpenStream([](DecodeReactor* r) { r->BeginDrain(); });
 }
 
 }  // namespace latentd::server

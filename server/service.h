@@ -90,6 +90,9 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   friend class DecodeReactor;
   void Register(DecodeReactor* reactor);
   void Unregister(DecodeReactor* reactor);
+  // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
+  template <typename Fn>
+  void ForEachOpenStream(Fn fn);
   // AppendKv messages are applied on the upload thread, not on gRPC's: the copy into the
   // KV pool runs under the engine's KV lock and takes milliseconds for a large message.
   void EnqueueUpload(AppendKvReactor* reactor);
