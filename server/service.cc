@@ -1,8 +1,8 @@
 // latentd.v1.DecodeService on gRPC's callback API. Each Decode stream owns a reactor
-// with its own lock: steps are validated and handed to Engine::Submit as they are read,
-// and results are coalesced into one outstanding write at a time as StepDone callbacks
-// arrive. Buffers (step inputs, out/lse, response messages) are recycled per stream so
-// the steady state allocates nothing beyond what protobuf parsing needs.
+// with its own lock: steps are read off the wire (server/wire.h), validated and handed
+// to Engine::Submit, and results are coalesced into one outstanding write at a time as
+// StepDone callbacks arrive. Step buffers are recycled per stream, so the steady state
+// allocates one buffer per response and nothing per step.
 #include "server/service.h"
 
 #include <pthread.h>
@@ -16,7 +16,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
 #include "kernels/params.h"
+#include "server/wire.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {
@@ -85,12 +88,26 @@ bool IsValidSequenceId(absl::string_view id) {
 
 // ---------------------------------------------------------------------------------
 // Decode: one reactor per stream.
+//
+// Lifetime rule. A DecodeReactor is deleted by the Unref that takes refs_ to zero, and
+// by nothing else. refs_ holds:
+//   - one reference for gRPC, from construction until OnDone;
+//   - one per thread inside any of its methods (ScopedRef at the top of every entry
+//     point: gRPC reactions, engine StepDone, drain, housekeeping).
+// A reference may only be taken while another is held: the entry points are reached
+// either from gRPC (which holds its own until OnDone), from the engine for an accepted
+// step (no Finish, hence no OnDone, while a step is in flight), or from the stream
+// registry, which a reactor leaves in OnDone before gRPC's reference is dropped, and
+// whose visitors take their reference under the registry lock.
+// Start rule. No StartRead/StartWrite is issued after Finish: every Start* is decided
+// under mu_ (counted in starting_ until issued), and Finish is decided only when
+// finished_ is false and starting_ is zero, and sets finished_.
 
-class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>,
+class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public engine::StepCallback {
  public:
-  DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial)
-      : service_(service), ctx_(ctx) {
+  DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial, uint64_t flow)
+      : service_(service), ctx_(ctx), flow_(flow) {
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
       finished_ = true;
@@ -109,24 +126,25 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   }
 
   void OnReadDone(bool ok) override {
+    ScopedRef ref(this);
     Plan p;
     bool process = false;
     {
       absl::MutexLock l(&mu_);
       reading_ = false;
       if (!ok) reads_done_ = true;
-      if (!ok || finished_ || cancelled_.load(std::memory_order_acquire)) {
-        // Steps in a read that completes after Finish (or after the client went away)
-        // are never accepted; the client learns that from the stream's status.
-        p = PlanLocked();
-      } else {
+      // Steps in a read that completes after Finish (or after the client went away, or
+      // once draining began) are never accepted; the stream's status says so.
+      if (ok && !finished_ && !GoneLocked() && !draining_ && fatal_.ok()) {
         processing_ = true;  // no Finish until every step of this read is accounted for
         process = true;
+      } else {
+        p = PlanLocked();
       }
     }
     if (process) {
-      const int n = request_.steps_size();
-      for (int i = 0; i < n; ++i) HandleStep(request_.mutable_steps(i), i);
+      Process();
+      read_buf_.Clear();  // the message's bytes are not kept while the stream waits
       absl::MutexLock l(&mu_);
       processing_ = false;
       p = PlanLocked();
@@ -135,10 +153,15 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   }
 
   void OnWriteDone(bool ok) override {
+    ScopedRef ref(this);
     Plan p;
     {
       absl::MutexLock l(&mu_);
       writing_ = false;
+      (ok ? service_->results_delivered_ : service_->results_undelivered_)
+          .fetch_add(write_results_, std::memory_order_relaxed);
+      write_results_ = 0;
+      write_buf_.Clear();
       if (!ok) write_failed_ = true;  // the client is gone; later results are dropped
       p = PlanLocked();
     }
@@ -146,6 +169,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   }
 
   void OnCancel() override {
+    ScopedRef ref(this);
     cancelled_.store(true, std::memory_order_release);
     Plan p;
     {
@@ -155,12 +179,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     Act(p);
   }
 
-  void OnDone() override { Unref(); }
+  void OnDone() override {
+    // Leave the registry while gRPC's reference still keeps this alive (lifetime rule).
+    if (registered_) service_->Unregister(this);
+    service_->CloseCall();
+    Unref();
+  }
 
   // Engine thread. Must not block: a short critical section, then maybe a write start.
   void StepDone(engine::DecodeStep* step, absl::Status status) override {
+    ScopedRef ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
     Slot* slot = static_cast<Slot*>(step);
-    if (!status.ok()) SetError(&slot->result, status);
+    if (!status.ok()) SetError(slot, status);
     Plan p;
     {
       absl::MutexLock l(&mu_);
@@ -171,16 +201,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     Act(p);
   }
 
-  // Keeps the reactor alive across a call from outside gRPC's reactions (BeginDrain).
   void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
-  // The reactor lives until gRPC is done with it (OnDone) and no Act is in progress.
   void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      if (registered_) service_->Unregister(this);
-      delete this;
-    }
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
+  // The caller holds a reference (the registry visit).
   void BeginDrain() {
     Plan p;
     {
@@ -194,7 +220,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   // Cancels the stream if a response write has been pending since before `cutoff`: the
   // client stopped reading, and flow control would hold this stream (its slots and
   // results) until the client's deadline, or for ever without one. Returns true if so.
-  // The caller holds a Ref.
+  // The caller holds a reference.
   bool CancelIfStalled(absl::Time cutoff) {
     {
       absl::MutexLock l(&mu_);
@@ -215,12 +241,44 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     return true;
   }
 
+  // Frees spare slots when nothing has been in flight since the previous call, so a
+  // stream's memory shrinks back after a burst. The caller holds a reference.
+  int TrimIfIdle() {
+    std::vector<std::unique_ptr<Slot>> spare;
+    {
+      absl::MutexLock l(&mu_);
+      const bool idle = inflight_ == 0 && done_.empty() && !processing_;
+      const bool was_idle = idle_since_trim_;
+      idle_since_trim_ = idle;
+      const size_t keep = static_cast<size_t>(service_->options().idle_stream_slots);
+      if (!idle || !was_idle || free_.size() <= keep) return 0;
+      for (size_t i = keep; i < free_.size(); ++i) spare.emplace_back(free_[i]);
+      free_.resize(keep);
+      batch_.shrink_to_fit();
+    }
+    return static_cast<int>(spare.size());  // deleted here, outside mu_
+  }
+
  private:
   // One step's storage, owned by the stream and reused. The engine sees the DecodeStep
   // base only and hands it back in StepDone.
   struct Slot : engine::DecodeStep {
-    std::string q_buf, kv_buf;  // inputs, swapped out of the request message
-    v1::StepResult result;      // out/lse written by the engine in place
+    std::string q_buf, kv_buf;     // inputs, read straight off the wire
+    std::string out_buf, lse_buf;  // results, written by the engine in place
+    int32_t code = 0;              // google.rpc code of the result
+    std::string message;
+    int64_t charged = 0;           // bytes counted against max_inflight_bytes
+  };
+
+  class ScopedRef {
+   public:
+    explicit ScopedRef(DecodeReactor* r) : r_(r) { r_->Ref(); }
+    ~ScopedRef() { r_->Unref(); }
+    ScopedRef(const ScopedRef&) = delete;
+    ScopedRef& operator=(const ScopedRef&) = delete;
+
+   private:
+    DecodeReactor* const r_;
   };
 
   // What to do after a state change: decided under mu_, done after releasing it, since
@@ -230,16 +288,20 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
     bool write = false;
     bool finish = false;
     grpc::Status status;
-    bool holds_ref = false;
   };
+
+  bool GoneLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return cancelled_.load(std::memory_order_acquire) || write_failed_;
+  }
 
   Plan PlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Plan p;
     if (finished_) return p;
-    const bool gone = cancelled_.load(std::memory_order_acquire) || write_failed_;
-    if (gone) {
+    const bool gone = GoneLocked();
+    if (gone && !done_.empty()) {
       // Answers have nowhere to go; recycle them.
-      for (Slot* s : done_) free_.push_back(s);
+      service_->results_undelivered_.fetch_add(done_.size(), std::memory_order_relaxed);
+      for (Slot* s : done_) RecycleLocked(s);
       done_.clear();
     }
     if (!writing_ && !done_.empty()) {
@@ -249,167 +311,270 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
       p.write = true;
     }
     const int64_t open = inflight_ + static_cast<int64_t>(done_.size());
-    if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ &&
+    if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ && fatal_.ok() &&
         open < service_->options().max_stream_inflight) {
       reading_ = true;
       p.read = true;
     }
+    if (p.read || p.write) ++starting_;
     const bool idle = inflight_ == 0 && !writing_ && done_.empty() && !processing_;
-    if (idle && !cancelling_ && (gone || (reads_done_ && !reading_) || draining_)) {
+    const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
+    if (idle && over && starting_ == 0 && !cancelling_) {
       finished_ = true;
       p.finish = true;
       if (gone) {
         p.status = grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      } else if (!fatal_.ok()) {
+        p.status = fatal_;
       } else if (draining_ && !reads_done_) {
         p.status = Unavailable();
       } else {
         p.status = grpc::Status::OK;
       }
     }
-    if (p.read || p.write || p.finish) {
-      refs_.fetch_add(1, std::memory_order_relaxed);
-      p.holds_ref = true;
-    }
     return p;
   }
 
-  void Act(const Plan& p) {
-    if (p.write) StartWrite(&response_);
-    if (p.read) StartRead(&request_);
-    if (p.finish) Finish(p.status);
-    if (p.holds_ref) Unref();
+  // Issues what the plan says, then re-plans once the Start* calls are out: a Finish
+  // that had to wait for them is decided then.
+  void Act(Plan p) {
+    for (;;) {
+      if (p.write) StartWrite(&write_buf_);
+      if (p.read) StartRead(&read_buf_);
+      if (p.finish) {
+        Finish(p.status);
+        return;
+      }
+      if (!p.read && !p.write) return;
+      absl::MutexLock l(&mu_);
+      --starting_;
+      p = PlanLocked();
+    }
   }
 
-  // Moves finished results into response_, up to the byte cap (at least one result).
+  static wire::ResultView View(const Slot* s) {
+    wire::ResultView v;
+    v.request_id = s->request_id;
+    v.code = s->code;
+    if (s->code == 0) {
+      v.out = &s->out_buf;
+      v.lse = &s->lse_buf;
+    } else {
+      v.message = &s->message;
+    }
+    return v;
+  }
+
+  // Serializes finished results into write_buf_, up to the byte cap (at least one
+  // result), and takes their slots back.
   void FillResponseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    response_.mutable_results()->Clear();  // keeps the element objects for reuse
-    int64_t bytes = 0;
-    size_t taken = 0;
     const int64_t cap = service_->options().max_response_bytes;
+    size_t bytes = 0, taken = 0;
     while (taken < done_.size()) {
-      Slot* s = done_[taken];
-      const int64_t b = static_cast<int64_t>(s->result.out().size() + s->result.lse().size()) + 64;
-      if (taken > 0 && bytes + b > cap) break;
+      const size_t b = wire::EncodedResultSize(View(done_[taken]));
+      if (taken > 0 && static_cast<int64_t>(bytes + b) > cap) break;
       bytes += b;
-      // Swap hands the result's buffers to the response and the response element's
-      // (cleared, still allocated) buffers back to the slot.
-      response_.add_results()->Swap(&s->result);
-      free_.push_back(s);
       ++taken;
     }
+    grpc::Slice slice(bytes);
+    uint8_t* p = const_cast<uint8_t*>(slice.begin());
+    for (size_t i = 0; i < taken; ++i) {
+      p = wire::EncodeResult(View(done_[i]), p);
+      RecycleLocked(done_[i]);
+    }
     done_.erase(done_.begin(), done_.begin() + taken);
+    write_buf_ = grpc::ByteBuffer(&slice, 1);
+    write_results_ = taken;
   }
 
-  Slot* AcquireSlot() {
+  void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (s->charged > 0) service_->ReleaseInflight(s->charged);
+    s->charged = 0;
+    free_.push_back(s);
+  }
+
+  static void SetError(Slot* s, const absl::Status& status) {
+    s->code = static_cast<int32_t>(status.code());
+    s->message.assign(status.message().data(), status.message().size());
+  }
+
+  void SetFatal(grpc::StatusCode code, absl::string_view message) {
+    service_->refused_messages_.fetch_add(1, std::memory_order_relaxed);
     absl::MutexLock l(&mu_);
-    if (free_.empty()) {
-      slots_.push_back(std::make_unique<Slot>());
-      return slots_.back().get();
-    }
-    Slot* s = free_.back();
-    free_.pop_back();
-    return s;
+    fatal_ = grpc::Status(code, std::string(message));
   }
 
-  static void SetError(v1::StepResult* r, const absl::Status& status) {
-    r->clear_out();
-    r->clear_lse();
-    r->set_code(static_cast<int>(status.code()));
-    r->set_message(std::string(status.message()));
-  }
-
-  // Validates one step and submits it, or answers it at once with its error.
-  void HandleStep(v1::DecodeStep* in, int index) {
+  // Reads one DecodeRequest: counts its steps first (nothing is copied for a message
+  // over max_steps_per_message), then reads each step into a slot and submits it, or
+  // answers it at once with its error.
+  void Process() {
+    const ServiceOptions& o = service_->options();
     const DecodeServiceImpl::Shape& sh = service_->shape();
-    Slot* slot = AcquireSlot();
-    v1::StepResult& r = slot->result;
-    r.set_request_id(in->request_id());
-    r.set_code(0);
-    r.clear_message();
-    absl::Status st = Validate(*in, index, sh);
-    if (st.ok() && service_->draining()) {
-      st = absl::UnavailableError("server is shutting down; step not accepted");
+    int count = 0;
+    {
+      grpc::ProtoBufferReader reader(&read_buf_);
+      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message);
+      if (!n.ok()) return SetFatal(grpc::StatusCode::INVALID_ARGUMENT, n.status().message());
+      if (*n > o.max_steps_per_message) {
+        return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("DecodeRequest.steps: more than ", o.max_steps_per_message,
+                                     " steps in one message (--max_steps_per_message); send fewer per message"));
+      }
+      count = *n;
     }
-    if (!st.ok()) {
-      SetError(&r, st);
+    int64_t room = 0;
+    {
       absl::MutexLock l(&mu_);
-      done_.push_back(slot);
-      return;
+      room = o.max_stream_inflight - (inflight_ + static_cast<int64_t>(done_.size()));
+      batch_.clear();
+      for (int i = 0; i < count; ++i) {
+        if (free_.empty()) {
+          batch_.push_back(new Slot());
+        } else {
+          batch_.push_back(free_.back());
+          free_.pop_back();
+        }
+      }
+      inflight_ += count;  // counted before Submit: StepDone may run before Submit returns
     }
-    const int s_q = static_cast<int>(in->q().size() / sh.q_row_bytes);
-    slot->q_buf.swap(*in->mutable_q());
-    slot->kv_buf.swap(*in->mutable_kv());
-    slot->request_id = in->request_id();
-    slot->sequence_id.assign(in->sequence_id());
-    slot->layer = in->layer();
+    wire::StepBounds bounds;
+    bounds.max_q_bytes = sh.max_s_q * sh.q_row_bytes;
+    bounds.max_kv_bytes = sh.max_s_q * sh.kv_row_bytes;
+    grpc::ProtoBufferReader reader(&read_buf_);
+    wire::DecodeStepReader steps(&reader);
+    int read = 0, accepted = 0;
+    answered_.clear();
+    for (; read < count; ++read) {
+      Slot* slot = batch_[read];
+      wire::StepFields f;
+      f.sequence_id = &slot->sequence_id;
+      f.q = &slot->q_buf;
+      f.kv = &slot->kv_buf;
+      auto more = steps.Next(bounds, &f);
+      if (!more.ok() || !*more) {  // the count pass read the same bytes; defensive only
+        SetFatal(grpc::StatusCode::INVALID_ARGUMENT, more.ok() ? "DecodeRequest: fewer steps than counted"
+                                                               : more.status().message());
+        break;
+      }
+      slot->request_id = f.request_id;
+      slot->code = 0;
+      slot->message.clear();
+      absl::Status st = Validate(f, read, sh);
+      if (st.ok() && service_->draining()) {
+        st = absl::UnavailableError("server is shutting down; step not accepted");
+      }
+      if (st.ok() && read >= room) {
+        service_->refused_steps_inflight_.fetch_add(1, std::memory_order_relaxed);
+        st = absl::ResourceExhaustedError(absl::StrCat(
+            "steps[", read, "]: this stream already has ", o.max_stream_inflight,
+            " steps unanswered (--max_stream_inflight); wait for results before sending more"));
+      }
+      if (st.ok()) st = Submit(slot, f, sh);
+      if (st.ok()) {
+        ++accepted;
+      } else {
+        SetError(slot, st);
+        answered_.push_back(slot);
+      }
+    }
+    absl::MutexLock l(&mu_);
+    inflight_ -= count - accepted;
+    for (Slot* s : answered_) {
+      if (s->charged > 0) service_->ReleaseInflight(s->charged);
+      s->charged = 0;
+      done_.push_back(s);
+    }
+    for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
+    answered_.clear();
+  }
+
+  absl::Status Submit(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
+    const int s_q = static_cast<int>(f.q_bytes / sh.q_row_bytes);
+    const int64_t bytes = f.q_bytes + f.kv_bytes + s_q * (sh.out_row_bytes + sh.lse_row_bytes);
+    if (!service_->ChargeInflight(bytes)) {
+      service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "server busy: step buffers of all streams are at --max_inflight_bytes=", service_->options().max_inflight_bytes,
+          "; retry after results come back"));
+    }
+    slot->charged = bytes;
+    slot->layer = f.layer;
     slot->s_q = s_q;
-    slot->causal = in->causal();
+    slot->causal = f.causal;
+    slot->flow = flow_;
     slot->q = slot->q_buf;
     slot->kv = slot->kv_buf;
-    std::string* out = r.mutable_out();
-    out->resize(static_cast<size_t>(s_q * sh.out_row_bytes));
-    std::string* lse = r.mutable_lse();
-    lse->resize(static_cast<size_t>(s_q) * sh.h_q * sizeof(float));
-    slot->out = &(*out)[0];
-    slot->lse = reinterpret_cast<float*>(&(*lse)[0]);
-    slot->deadline = in->timeout_ms() > 0 ? absl::Now() + absl::Milliseconds(in->timeout_ms())
-                                          : absl::InfiniteFuture();
+    slot->out_buf.resize(static_cast<size_t>(s_q * sh.out_row_bytes));
+    slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
+    slot->out = &slot->out_buf[0];
+    slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
+    slot->deadline =
+        f.timeout_ms > 0 ? absl::Now() + absl::Milliseconds(f.timeout_ms) : absl::InfiniteFuture();
     slot->cancelled = &cancelled_;
     slot->callback = this;
     slot->engine_private = nullptr;
-    {
-      absl::MutexLock l(&mu_);
-      ++inflight_;  // before Submit: StepDone may run before Submit returns
-    }
-    absl::Status submitted = service_->engine()->Submit(slot);
-    if (!submitted.ok()) {
-      SetError(&r, submitted);
-      absl::MutexLock l(&mu_);
-      --inflight_;
-      done_.push_back(slot);
-    }
+    return service_->engine()->Submit(slot);
   }
 
-  static absl::Status Validate(const v1::DecodeStep& in, int index, const DecodeServiceImpl::Shape& sh) {
-    absl::Status st = CheckIdField("sequence_id", in.sequence_id(), false);
-    if (st.ok()) st = CheckLayer("layer", in.layer(), sh.num_layers);
+  static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
+    absl::Status st;
+    if (in.sequence_id_bytes > 128) {
+      st = absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
+                                                   " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
+    } else {
+      st = CheckIdField("sequence_id", *in.sequence_id, false);
+    }
+    if (st.ok()) st = CheckLayer("layer", in.layer, sh.num_layers);
     if (st.ok()) {
-      const int64_t qb = static_cast<int64_t>(in.q().size());
+      const int64_t qb = in.q_bytes;
       if (qb == 0 || qb % sh.q_row_bytes != 0 || qb / sh.q_row_bytes > sh.max_s_q) {
         st = absl::InvalidArgumentError(absl::StrCat(
             "q: ", qb, " bytes; expected s_q * h_q * 576 * 2 = s_q * ", sh.q_row_bytes, " bytes ([s_q, ", sh.h_q,
             ", 576] in the server dtype) with 1 <= s_q <= ", sh.max_s_q));
       } else {
         const int64_t s_q = qb / sh.q_row_bytes;
-        if (static_cast<int64_t>(in.kv().size()) != s_q * sh.kv_row_bytes) {
-          st = absl::InvalidArgumentError(absl::StrCat("kv: ", in.kv().size(),
-                                                       " bytes; expected s_q * h_kv * 576 * 2 = ",
+        if (in.kv_bytes != s_q * sh.kv_row_bytes) {
+          st = absl::InvalidArgumentError(absl::StrCat("kv: ", in.kv_bytes, " bytes; expected s_q * h_kv * 576 * 2 = ",
                                                        s_q * sh.kv_row_bytes, " bytes ([", s_q, ", ", sh.h_kv,
                                                        ", 576], one new row per query token)"));
         }
       }
     }
     if (st.ok()) return st;
-    return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id(), ").",
+    return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id, ").",
                                                 st.message()));
+  }
+
+  ~DecodeReactor() override {
+    // Every slot is in free_ or done_ by now (nothing in flight once Finish was decided).
+    for (Slot* s : free_) delete s;
+    for (Slot* s : done_) {
+      if (s->charged > 0) service_->ReleaseInflight(s->charged);
+      delete s;
+    }
   }
 
   DecodeServiceImpl* const service_;
   CallbackServerContext* const ctx_;  // gRPC's; valid until OnDone
+  const uint64_t flow_;               // the engine's fairness key for this stream's steps
   bool registered_ = false;
   std::atomic<bool> cancelled_{false};
-  std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone; plus one per Act in progress
+  std::atomic<int> refs_{1};  // see the lifetime rule above
 
   // The read side is touched only between StartRead and the end of OnReadDone.
-  v1::DecodeRequest request_;
+  grpc::ByteBuffer read_buf_;
+  std::vector<Slot*> batch_;     // slots taken for the message being read
+  std::vector<Slot*> answered_;  // its steps answered at once (errors)
 
   absl::Mutex mu_;
-  std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);  // stable addresses
-  std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);
-  std::vector<Slot*> done_ ABSL_GUARDED_BY(mu_);  // answered, waiting for a write
+  std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);  // owned; spare slots
+  std::vector<Slot*> done_ ABSL_GUARDED_BY(mu_);  // owned; answered, waiting for a write
   // The one outstanding write; filled under mu_, read by gRPC until OnWriteDone.
-  v1::DecodeResponse response_;
+  grpc::ByteBuffer write_buf_;
+  size_t write_results_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted by the engine, not yet done
+  int starting_ ABSL_GUARDED_BY(mu_) = 0;      // Start* calls decided and not yet issued
+  grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool processing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -419,14 +584,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool idle_since_trim_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // ---------------------------------------------------------------------------------
 // AppendKv: a client stream of row chunks for one sequence, each applied on arrival.
+// Its lifetime is simpler: gRPC deletes it through OnDone, which follows Finish, and no
+// thread touches it after its own Finish or StartRead call; between a read completing
+// and the upload thread applying it, no operation is outstanding.
 
-class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest> {
+class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  AppendKvReactor(DecodeServiceImpl* service, v1::AppendKvResponse* response, grpc::Status initial)
+  AppendKvReactor(DecodeServiceImpl* service, grpc::ByteBuffer* response, grpc::Status initial)
       : service_(service), response_(response) {
     if (!initial.ok()) {
       Finish(std::move(initial));
@@ -442,19 +611,37 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
                             "AppendKv: the stream had no messages; expected at least one naming sequence_id"));
         return;
       }
-      response_->set_sequence_id(sequence_id_);
-      response_->set_tokens_appended(rows_);
-      Finish(grpc::Status::OK);
+      v1::AppendKvResponse r;
+      r.set_sequence_id(sequence_id_);
+      r.set_tokens_appended(rows_);
+      for (int64_t len : lengths_) r.add_lengths(len);
+      bool own = false;
+      grpc::Status st = grpc::SerializationTraits<v1::AppendKvResponse>::Serialize(r, response_, &own);
+      Finish(st);
       return;
     }
-    service_->EnqueueUpload(this);  // ApplyQueued runs there; no read is outstanding meanwhile
+    charged_ = static_cast<int64_t>(request_.Length());
+    if (!service_->EnqueueUpload(this, charged_)) {
+      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("AppendKv message ", messages_, ": the server already holds ",
+                                       service_->options().max_upload_bytes,
+                                       " bytes of uploads not yet applied (--max_upload_bytes); ", rows_,
+                                       " rows of this stream were appended; retry the rest later")));
+    }
+    // Otherwise ApplyQueued runs on the upload thread; no read is outstanding meanwhile.
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->CloseCall();
+    delete this;
+  }
 
   // The upload thread: applies the message just read, then reads the next or finishes.
   void ApplyQueued() {
     grpc::Status st = Apply();
+    request_.Clear();
+    service_->upload_bytes_.fetch_sub(charged_, std::memory_order_relaxed);
+    charged_ = 0;
     if (!st.ok()) {
       Finish(st);
       return;
@@ -468,40 +655,60 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
     const std::string where = absl::StrCat("AppendKv message ", messages_, ": ");
     ++messages_;
     if (service_->draining()) return Unavailable();
-    if (messages_ == 1) {
-      absl::Status st = CheckIdField("sequence_id", request_.sequence_id(), false);
+    wire::AppendFields f;
+    f.sequence_id = &id_buf_;
+    f.kv = &kv_buf_;
+    {
+      grpc::ProtoBufferReader reader(&request_);
+      absl::Status st = wire::ReadAppendKvRequest(&reader, 128, &f);
       if (!st.ok()) return Prefixed(st, where);
-      sequence_id_ = request_.sequence_id();
-    } else if (!request_.sequence_id().empty() && request_.sequence_id() != sequence_id_) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat(where, "sequence_id: '", request_.sequence_id(),
-                                       "' differs from the stream's first message ('", sequence_id_,
-                                       "'); expected one sequence per AppendKv stream"));
     }
-    absl::Status st = CheckLayer("layer", request_.layer(), sh.num_layers);
+    // Every message's id is checked; a client's bytes are never echoed back.
+    absl::Status st;
+    if (f.sequence_id_bytes > 128) {
+      st = absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", f.sequence_id_bytes,
+                                                   " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
+    } else {
+      st = CheckIdField("sequence_id", id_buf_, /*allow_empty=*/messages_ > 1);
+    }
     if (!st.ok()) return Prefixed(st, where);
-    const int64_t kb = static_cast<int64_t>(request_.kv().size());
+    if (messages_ == 1) {
+      sequence_id_ = id_buf_;
+    } else if (!id_buf_.empty() && id_buf_ != sequence_id_) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(where, "sequence_id: differs from the stream's first message; expected "
+                                              "one sequence per AppendKv stream (empty or the same id)"));
+    }
+    st = CheckLayer("layer", f.layer, sh.num_layers);
+    if (!st.ok()) return Prefixed(st, where);
+    const int64_t kb = static_cast<int64_t>(kv_buf_.size());
     if (kb % sh.kv_row_bytes != 0) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat(where, "kv: ", kb, " bytes; expected a multiple of h_kv * 576 * 2 = ",
                                        sh.kv_row_bytes, " bytes ([n, ", sh.h_kv, ", 576] in the server dtype)"));
     }
-    // The engine copies the rows into its pool under its KV lock (no batch is waited for).
-    auto lengths = service_->engine()->AppendKv(sequence_id_, request_.layer(), request_.kv());
+    if (kb == 0) return grpc::Status::OK;  // nothing to append (e.g. a message naming the id only)
+    // The engine copies the rows into its pool in bounded chunks under its KV lock.
+    auto lengths = service_->engine()->AppendKv(sequence_id_, f.layer, kv_buf_);
+    if (kv_buf_.capacity() > kKeepBufferBytes) std::string().swap(kv_buf_);
     if (!lengths.ok()) {
       return Prefixed(lengths.status(), absl::StrCat(where, "(", rows_, " rows appended before it) "));
     }
     rows_ += kb / sh.kv_row_bytes;
-    response_->clear_lengths();
-    for (int64_t len : lengths->lengths) response_->add_lengths(len);
+    lengths_ = std::move(lengths->lengths);
     return grpc::Status::OK;
   }
 
+  static constexpr size_t kKeepBufferBytes = 4 << 20;
+
   DecodeServiceImpl* const service_;
-  v1::AppendKvResponse* const response_;
-  v1::AppendKvRequest request_;
+  grpc::ByteBuffer* const response_;
+  grpc::ByteBuffer request_;
+  std::string id_buf_, kv_buf_;
   std::string sequence_id_;
+  std::vector<int64_t> lengths_;
   int64_t rows_ = 0;
+  int64_t charged_ = 0;  // bytes of the message waiting for the upload thread
   int messages_ = 0;
 };
 
@@ -517,6 +724,7 @@ DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions opti
   shape_.q_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimQK * kDtypeBytes;
   shape_.kv_row_bytes = int64_t{shape_.h_kv} * kernels::kHeadDimQK * kDtypeBytes;
   shape_.out_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimV * kDtypeBytes;
+  shape_.lse_row_bytes = int64_t{shape_.h_q} * static_cast<int64_t>(sizeof(float));
   uploader_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "latentd-upload");  // for top -H and debuggers
     UploadLoop();
@@ -532,9 +740,48 @@ DecodeServiceImpl::~DecodeServiceImpl() {
   uploader_.join();
 }
 
-void DecodeServiceImpl::EnqueueUpload(AppendKvReactor* reactor) {
+bool DecodeServiceImpl::EnqueueUpload(AppendKvReactor* reactor, int64_t bytes) {
+  if (upload_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes > options_.max_upload_bytes &&
+      bytes > 0) {
+    upload_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+    refused_uploads_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
   absl::MutexLock l(&upload_mu_);
   uploads_.push_back(reactor);
+  return true;
+}
+
+bool DecodeServiceImpl::OpenCall() {
+  if (open_calls_.fetch_add(1, std::memory_order_relaxed) >= options_.max_streams) {
+    refused_streams_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+
+bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
+  if (inflight_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes > options_.max_inflight_bytes) {
+    inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+
+ServiceCounters DecodeServiceImpl::Counters() const {
+  ServiceCounters c;
+  c.open_streams = OpenStreams();
+  c.open_calls = open_calls_.load(std::memory_order_relaxed);
+  c.inflight_bytes = inflight_bytes_.load(std::memory_order_relaxed);
+  c.upload_bytes = upload_bytes_.load(std::memory_order_relaxed);
+  c.results_delivered = results_delivered_.load(std::memory_order_relaxed);
+  c.results_undelivered = results_undelivered_.load(std::memory_order_relaxed);
+  c.refused_streams = refused_streams_.load(std::memory_order_relaxed);
+  c.refused_steps_inflight = refused_steps_inflight_.load(std::memory_order_relaxed);
+  c.refused_steps_bytes = refused_steps_bytes_.load(std::memory_order_relaxed);
+  c.refused_messages = refused_messages_.load(std::memory_order_relaxed);
+  c.refused_uploads = refused_uploads_.load(std::memory_order_relaxed);
+  return c;
 }
 
 void DecodeServiceImpl::UploadLoop() {
@@ -670,24 +917,33 @@ ServerUnaryReactor* DecodeServiceImpl::ReleaseSequence(CallbackServerContext* ct
   return reactor;
 }
 
-grpc::ServerReadReactor<v1::AppendKvRequest>* DecodeServiceImpl::AppendKv(CallbackServerContext* ctx,
-                                                                         v1::AppendKvResponse* response) {
+grpc::Status DecodeServiceImpl::AdmitStream(const CallbackServerContext* ctx) {
+  const bool admitted = OpenCall();
   grpc::Status st = CheckAuth(ctx);
   if (st.ok() && draining()) st = Unavailable();
-  return new AppendKvReactor(this, response, std::move(st));
+  if (st.ok() && !admitted) {
+    st = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat("the server has ", options_.max_streams,
+                                   " Decode and AppendKv streams open (--max_streams); close idle streams or retry "
+                                   "later"));
+  }
+  return st;
 }
 
-grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* DecodeServiceImpl::Decode(
-    CallbackServerContext* ctx) {
-  grpc::Status st = CheckAuth(ctx);
-  if (st.ok() && draining()) st = Unavailable();
-  return new DecodeReactor(this, ctx, std::move(st));
+grpc::ServerReadReactor<grpc::ByteBuffer>* DecodeServiceImpl::AppendKv(CallbackServerContext* ctx,
+                                                                      grpc::ByteBuffer* response) {
+  return new AppendKvReactor(this, response, AdmitStream(ctx));
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeServiceImpl::Decode(CallbackServerContext* ctx) {
+  grpc::Status st = AdmitStream(ctx);
+  const uint64_t flow = streams_opened_.fetch_add(1, std::memory_order_relaxed) + 1;
+  return new DecodeReactor(this, ctx, std::move(st), flow);
 }
 
 void DecodeServiceImpl::Register(DecodeReactor* reactor) {
   absl::MutexLock l(&streams_mu_);
   streams_.insert(reactor);
-  streams_opened_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void DecodeServiceImpl::Unregister(DecodeReactor* reactor) {
@@ -700,9 +956,9 @@ int DecodeServiceImpl::OpenStreams() const {
   return static_cast<int>(streams_.size());
 }
 
-// Reactors unregister under streams_mu_ before they are deleted, so each one is alive
-// while the lock is held; a reference keeps it so while `fn` runs unlocked (fn may finish
-// the stream, and the last Unref unregisters).
+// A reactor leaves streams_ in OnDone, before gRPC's reference is dropped, so every
+// reactor in the set holds at least that reference while streams_mu_ is held: taking one
+// here is safe, and it keeps the reactor alive while `fn` runs unlocked.
 template <typename Fn>
 void DecodeServiceImpl::ForEachOpenStream(Fn fn) {
   std::vector<DecodeReactor*> open;
@@ -722,6 +978,12 @@ int DecodeServiceImpl::CancelStalledStreams(absl::Duration stall) {
   int cancelled = 0;
   ForEachOpenStream([&](DecodeReactor* r) { cancelled += r->CancelIfStalled(cutoff) ? 1 : 0; });
   return cancelled;
+}
+
+int DecodeServiceImpl::TrimIdleStreams() {
+  int freed = 0;
+  ForEachOpenStream([&](DecodeReactor* r) { freed += r->TrimIfIdle(); });
+  return freed;
 }
 
 void DecodeServiceImpl::BeginDrain() {

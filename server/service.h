@@ -1,7 +1,8 @@
 // The latentd.v1.DecodeService implementation on gRPC's callback API: unary handlers,
 // the AppendKv upload reactor and the Decode bidi reactor. Nothing here blocks a gRPC
 // thread: decode steps go to the engine's queue and results are written from the
-// engine's StepDone callbacks.
+// engine's StepDone callbacks. Every resource a client can make the server hold is
+// bounded by a ServiceOptions field (and a daemon flag of the same name).
 #pragma once
 
 #include <atomic>
@@ -16,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "proto/latentd.grpc.pb.h"
 
 namespace latentd::server {
@@ -24,9 +26,37 @@ struct ServiceOptions {
   std::string auth_token;          // empty: no authentication
   int max_s_q = 8;                 // largest s_q a step may carry (as the engine was told)
   int64_t max_message_bytes = 0;   // advertised in ServerInfo
-  int max_stream_inflight = 1024;  // steps one Decode stream may have unanswered
+  // Steps one DecodeRequest may hold; counted before any step is copied.
+  int max_steps_per_message = 1024;
+  // Steps one Decode stream may have unanswered (accepted, or answered and not yet
+  // written). Steps of a message beyond it fail RESOURCE_EXHAUSTED.
+  int max_stream_inflight = 1024;
+  // Step buffers (inputs and results) held for all streams together; steps beyond it
+  // fail RESOURCE_EXHAUSTED.
+  int64_t max_inflight_bytes = int64_t{2} << 30;
+  // Decode and AppendKv streams open at once, over all clients.
+  int max_streams = 4096;
+  // AppendKv message bytes received and not yet applied, over all streams.
+  int64_t max_upload_bytes = int64_t{256} << 20;
   int64_t max_response_bytes = 2 << 20;  // coalesced results per DecodeResponse (soft cap)
+  // Free step buffers a stream keeps once it has had nothing in flight for a while.
+  int idle_stream_slots = 8;
   std::string version;
+};
+
+// What the service has done and refused, for stats and metrics.
+struct ServiceCounters {
+  int64_t open_streams = 0;  // Decode streams not yet done
+  int64_t open_calls = 0;    // Decode and AppendKv streams not yet done
+  int64_t inflight_bytes = 0;
+  int64_t upload_bytes = 0;
+  uint64_t results_delivered = 0;    // step results the client's transport took
+  uint64_t results_undelivered = 0;  // answered after the client went away or failed a write
+  uint64_t refused_streams = 0;      // over max_streams
+  uint64_t refused_steps_inflight = 0;
+  uint64_t refused_steps_bytes = 0;
+  uint64_t refused_messages = 0;     // over max_steps_per_message or malformed
+  uint64_t refused_uploads = 0;      // over max_upload_bytes
 };
 
 // Maps an absl::Status onto the gRPC status with the same code and message.
@@ -39,7 +69,14 @@ bool IsValidSequenceId(absl::string_view id);
 class AppendKvReactor;
 class DecodeReactor;
 
-class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackService {
+// Decode and AppendKv are served raw (grpc::ByteBuffer) so that the server, not
+// protobuf, decides what a message may make it hold; the other methods are typed.
+using DecodeServiceBase = v1::DecodeService::WithCallbackMethod_GetInfo<
+    v1::DecodeService::WithCallbackMethod_CreateSequence<v1::DecodeService::WithRawCallbackMethod_AppendKv<
+        v1::DecodeService::WithRawCallbackMethod_Decode<v1::DecodeService::WithCallbackMethod_ForkSequence<
+            v1::DecodeService::WithCallbackMethod_ReleaseSequence<v1::DecodeService::Service>>>>>>;
+
+class DecodeServiceImpl final : public DecodeServiceBase {
  public:
   DecodeServiceImpl(engine::Engine* engine, ServiceOptions options);
   ~DecodeServiceImpl() override;
@@ -49,10 +86,9 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
                                            const v1::CreateSequenceRequest* request,
                                            v1::CreateSequenceResponse* response) override;
-  grpc::ServerReadReactor<v1::AppendKvRequest>* AppendKv(grpc::CallbackServerContext* ctx,
-                                                         v1::AppendKvResponse* response) override;
-  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
-      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* AppendKv(grpc::CallbackServerContext* ctx,
+                                                      grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
                                          const v1::ForkSequenceRequest* request,
                                          v1::ForkSequenceResponse* response) override;
@@ -70,6 +106,14 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   // pending that long); returns how many. Their unstarted steps are dropped, as when a
   // client goes away.
   int CancelStalledStreams(absl::Duration stall);
+  // Gives back the spare step buffers of streams with nothing in flight (kept while a
+  // stream is busy so that its steady state allocates nothing). Returns buffers freed.
+  int TrimIdleStreams();
+
+  ServiceCounters Counters() const;
+  // Step results that were never delivered to their client (it went away, a write
+  // failed, or the server stopped first).
+  uint64_t UndeliveredResults() const { return results_undelivered_.load(std::memory_order_relaxed); }
 
   // Fixed per-model sizes, computed once.
   struct Shape {
@@ -77,6 +121,7 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
     int64_t q_row_bytes = 0;    // per query token: h_q * 576 * 2
     int64_t kv_row_bytes = 0;   // per token: h_kv * 576 * 2
     int64_t out_row_bytes = 0;  // per query token: h_q * 512 * 2
+    int64_t lse_row_bytes = 0;  // per query token: h_q * 4
   };
   const Shape& shape() const { return shape_; }
   const ServiceOptions& options() const { return options_; }
@@ -90,12 +135,21 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   friend class DecodeReactor;
   void Register(DecodeReactor* reactor);
   void Unregister(DecodeReactor* reactor);
+  // Counts a new Decode/AppendKv call (every reactor gives it back in OnDone); false
+  // when that makes more than max_streams.
+  bool OpenCall();
+  // The status a new Decode/AppendKv stream starts with: auth, drain, max_streams.
+  grpc::Status AdmitStream(const grpc::CallbackServerContext* ctx);
+  void CloseCall() { open_calls_.fetch_sub(1, std::memory_order_relaxed); }
+  // Charges bytes against max_inflight_bytes; false (nothing charged) when over it.
+  bool ChargeInflight(int64_t bytes);
+  void ReleaseInflight(int64_t bytes) { inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed); }
   // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
   template <typename Fn>
   void ForEachOpenStream(Fn fn);
   // AppendKv messages are applied on the upload thread, not on gRPC's: the copy into the
-  // KV pool runs under the engine's KV lock and takes milliseconds for a large message.
-  void EnqueueUpload(AppendKvReactor* reactor);
+  // KV pool takes milliseconds for a large message. False when max_upload_bytes is full.
+  bool EnqueueUpload(AppendKvReactor* reactor, int64_t bytes);
   void UploadLoop();
 
   engine::Engine* const engine_;
@@ -103,8 +157,14 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   Shape shape_;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> streams_opened_{0};
+  std::atomic<int64_t> open_calls_{0};
+  std::atomic<int64_t> inflight_bytes_{0};
+  std::atomic<int64_t> upload_bytes_{0};
+  std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
+  std::atomic<uint64_t> refused_streams_{0}, refused_steps_inflight_{0}, refused_steps_bytes_{0},
+      refused_messages_{0}, refused_uploads_{0};
 
-  // Touched once per stream (open, close, drain), never per step.
+  // Touched once per stream (open, close, drain, housekeeping), never per step.
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
 

@@ -1,0 +1,212 @@
+// Hand-written reading of DecodeRequest/AppendKvRequest and writing of StepResult, with
+// the same field numbers as proto/latentd.proto. Unknown fields are skipped, not kept
+// (protobuf would keep them: a message of tiny unknown fields grows ~8x in memory).
+#include "server/wire.h"
+
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
+
+namespace latentd::server::wire {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::io::CodedOutputStream;
+
+constexpr int kVarint = WireFormatLite::WIRETYPE_VARINT;
+constexpr int kLen = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
+
+// DecodeRequest / DecodeStep / StepResult / AppendKvRequest field numbers.
+constexpr int kRequestSteps = 1;
+constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
+              kStepTimeoutMs = 7;
+constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5;
+constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3;
+
+absl::Status Malformed(const CodedInputStream& in, absl::string_view what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": malformed protobuf at byte ", in.CurrentPosition(), "; expected a serialized ", what));
+}
+
+// Reads a length-delimited field into *dst when it fits in `bound` bytes, else skips it.
+// *size gets its length on the wire either way.
+bool ReadBoundedBytes(CodedInputStream* in, int64_t bound, std::string* dst, int64_t* size) {
+  uint32_t len = 0;
+  if (!in->ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return false;
+  *size = len;
+  if (static_cast<int64_t>(len) > bound) {
+    dst->clear();
+    return in->Skip(static_cast<int>(len));
+  }
+  return in->ReadString(dst, static_cast<int>(len));
+}
+
+// Reads fields until the current limit; false when the bytes are malformed.
+template <typename OnField>
+bool ReadFields(CodedInputStream* in, OnField on_field) {
+  for (;;) {
+    const uint32_t tag = in->ReadTag();
+    if (tag == 0) return in->ConsumedEntireMessage();
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const int type = WireFormatLite::GetTagWireType(tag);
+    bool handled = false;
+    if (!on_field(field, type, &handled)) return false;
+    if (!handled && !WireFormatLite::SkipField(in, tag)) return false;
+  }
+}
+
+bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
+  out->request_id = 0;
+  out->layer = 0;
+  out->causal = false;
+  out->timeout_ms = 0;
+  out->sequence_id_bytes = out->q_bytes = out->kv_bytes = 0;
+  out->sequence_id->clear();
+  out->q->clear();
+  out->kv->clear();
+  return ReadFields(in, [&](int field, int type, bool* handled) {
+    uint64_t v = 0;
+    if (type == kVarint && (field == kStepRequestId || field == kStepLayer || field == kStepCausal ||
+                            field == kStepTimeoutMs)) {
+      *handled = true;
+      if (!in->ReadVarint64(&v)) return false;
+      if (field == kStepRequestId) out->request_id = v;
+      if (field == kStepLayer) out->layer = static_cast<int32_t>(v);  // protobuf's int32 truncation
+      if (field == kStepCausal) out->causal = v != 0;
+      if (field == kStepTimeoutMs) out->timeout_ms = static_cast<uint32_t>(v);
+      return true;
+    }
+    if (type == kLen && (field == kStepSequenceId || field == kStepQ || field == kStepKv)) {
+      *handled = true;
+      if (field == kStepSequenceId) return ReadBoundedBytes(in, b.max_id_bytes, out->sequence_id, &out->sequence_id_bytes);
+      if (field == kStepQ) return ReadBoundedBytes(in, b.max_q_bytes, out->q, &out->q_bytes);
+      return ReadBoundedBytes(in, b.max_kv_bytes, out->kv, &out->kv_bytes);
+    }
+    return true;
+  });
+}
+
+void Prepare(CodedInputStream* in) {
+  // gRPC already bounds the message size; protobuf's default 64 MiB cap must not cut it.
+  in->SetTotalBytesLimit(INT_MAX);
+}
+
+uint8_t* WriteBytesField(int field, const std::string* s, uint8_t* p) {
+  if (s == nullptr || s->empty()) return p;
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
+  return CodedOutputStream::WriteStringWithSizeToArray(*s, p);
+}
+
+size_t BytesFieldSize(const std::string* s) {
+  if (s == nullptr || s->empty()) return 0;
+  return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(s->size())) + s->size();
+}
+
+size_t ResultBodySize(const ResultView& r) {
+  size_t n = 0;
+  if (r.request_id != 0) n += 1 + CodedOutputStream::VarintSize64(r.request_id);
+  n += BytesFieldSize(r.out) + BytesFieldSize(r.lse) + BytesFieldSize(r.message);
+  if (r.code != 0) n += 1 + CodedOutputStream::VarintSize64(static_cast<uint64_t>(static_cast<int64_t>(r.code)));
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* stream, int limit) {
+  CodedInputStream in(stream);
+  Prepare(&in);
+  int count = 0;
+  const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
+    if (field != kRequestSteps || type != kLen) return true;
+    *handled = true;
+    uint32_t len = 0;
+    if (!in.ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return false;
+    ++count;
+    if (count > limit) return false;  // stop early; reported below
+    return in.Skip(static_cast<int>(len));
+  });
+  if (count > limit) return count;
+  if (!ok) return Malformed(in, "DecodeRequest");
+  return count;
+}
+
+absl::StatusOr<bool> DecodeStepReader::Next(const StepBounds& bounds, StepFields* out) {
+  // A fresh CodedInputStream per step hands back unread bytes to in_ when it goes away.
+  CodedInputStream in(in_);
+  Prepare(&in);
+  for (;;) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) {
+      if (in.ConsumedEntireMessage()) return false;
+      return Malformed(in, "DecodeRequest");
+    }
+    if (WireFormatLite::GetTagFieldNumber(tag) != kRequestSteps || WireFormatLite::GetTagWireType(tag) != kLen) {
+      if (!WireFormatLite::SkipField(&in, tag)) return Malformed(in, "DecodeRequest");
+      continue;
+    }
+    uint32_t len = 0;
+    if (!in.ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return Malformed(in, "DecodeRequest");
+    const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(len));
+    if (!ReadStep(&in, bounds, out)) return Malformed(in, "DecodeStep");
+    in.PopLimit(limit);
+    return true;
+  }
+}
+
+absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* stream, int64_t max_id_bytes,
+                                 AppendFields* out) {
+  CodedInputStream in(stream);
+  Prepare(&in);
+  out->layer = 0;
+  out->sequence_id_bytes = 0;
+  out->sequence_id->clear();
+  out->kv->clear();
+  const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
+    if (type == kVarint && field == kAppendLayer) {
+      *handled = true;
+      uint64_t v = 0;
+      if (!in.ReadVarint64(&v)) return false;
+      out->layer = static_cast<int32_t>(v);
+      return true;
+    }
+    if (type == kLen && field == kAppendSequenceId) {
+      *handled = true;
+      return ReadBoundedBytes(&in, max_id_bytes, out->sequence_id, &out->sequence_id_bytes);
+    }
+    if (type == kLen && field == kAppendKv) {
+      *handled = true;
+      int64_t size = 0;
+      return ReadBoundedBytes(&in, INT_MAX, out->kv, &size);
+    }
+    return true;
+  });
+  if (!ok) return Malformed(in, "AppendKvRequest");
+  return absl::OkStatus();
+}
+
+size_t EncodedResultSize(const ResultView& r) {
+  const size_t body = ResultBodySize(r);
+  return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body;
+}
+
+uint8_t* EncodeResult(const ResultView& r, uint8_t* p) {
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRequestSteps, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+                                         p);
+  p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(ResultBodySize(r)), p);
+  if (r.request_id != 0) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultRequestId, WireFormatLite::WIRETYPE_VARINT), p);
+    p = CodedOutputStream::WriteVarint64ToArray(r.request_id, p);
+  }
+  p = WriteBytesField(kResultOut, r.out, p);
+  p = WriteBytesField(kResultLse, r.lse, p);
+  if (r.code != 0) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultCode, WireFormatLite::WIRETYPE_VARINT), p);
+    p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(static_cast<int64_t>(r.code)), p);
+  }
+  return WriteBytesField(kResultMessage, r.message, p);
+}
+
+}  // namespace latentd::server::wire

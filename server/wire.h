@@ -1,0 +1,81 @@
+// The Decode stream's wire format read and written by hand: a DecodeRequest is counted
+// before anything is copied (so one message cannot make the server hold more steps than
+// its limit), its steps are read straight into reused per-stream buffers with every
+// field bounded, and StepResults are serialized into one buffer per response.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "google/protobuf/io/zero_copy_stream.h"
+
+namespace latentd::server::wire {
+
+// Fields larger than these are skipped rather than copied; the step then fails
+// validation with the size it had on the wire.
+struct StepBounds {
+  int64_t max_id_bytes = 128;
+  int64_t max_q_bytes = 0;
+  int64_t max_kv_bytes = 0;
+};
+
+// One DecodeStep as read off the wire. The strings are the caller's, reused across
+// steps so that the steady state allocates nothing.
+struct StepFields {
+  uint64_t request_id = 0;
+  int32_t layer = 0;
+  bool causal = false;
+  uint32_t timeout_ms = 0;
+  // Sizes on the wire; a field over its bound is not copied (its string stays empty).
+  int64_t sequence_id_bytes = 0, q_bytes = 0, kv_bytes = 0;
+  std::string* sequence_id = nullptr;
+  std::string* q = nullptr;
+  std::string* kv = nullptr;
+};
+
+// Steps in a serialized DecodeRequest, found without copying any field; INVALID_ARGUMENT
+// naming the byte offset when the bytes are not a DecodeRequest. Stops counting (and
+// returns limit + 1) once the count exceeds `limit`.
+absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* in, int limit);
+
+// Reads a DecodeRequest's steps one at a time.
+class DecodeStepReader {
+ public:
+  explicit DecodeStepReader(google::protobuf::io::ZeroCopyInputStream* in) : in_(in) {}
+  // Reads the next step into *out (its strings overwritten). false at the end of the
+  // message; INVALID_ARGUMENT for malformed bytes.
+  absl::StatusOr<bool> Next(const StepBounds& bounds, StepFields* out);
+
+ private:
+  google::protobuf::io::ZeroCopyInputStream* in_;
+};
+
+// One AppendKv message: sequence_id (bounded like a step's) and the rows, read into the
+// caller's strings.
+struct AppendFields {
+  int32_t layer = 0;
+  int64_t sequence_id_bytes = 0;
+  std::string* sequence_id = nullptr;
+  std::string* kv = nullptr;
+};
+absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* in, int64_t max_id_bytes,
+                                 AppendFields* out);
+
+// A StepResult to serialize; views into the caller's buffers.
+struct ResultView {
+  uint64_t request_id = 0;
+  const std::string* out = nullptr;  // may be null or empty on error
+  const std::string* lse = nullptr;
+  int32_t code = 0;
+  const std::string* message = nullptr;
+};
+
+// Bytes the result takes inside a DecodeResponse (tag and length prefix included).
+size_t EncodedResultSize(const ResultView& r);
+// Writes the result as one `results` entry of a DecodeResponse at `target`, which has
+// EncodedResultSize(r) bytes; returns the end.
+uint8_t* EncodeResult(const ResultView& r, uint8_t* target);
+
+}  // namespace latentd::server::wire

@@ -1,0 +1,221 @@
+// The hand-written wire reader/writer against protobuf's own serialization of the same
+// messages: round trips, bounds, unknown fields, malformed bytes and the step count.
+#include "server/wire.h"
+
+#include <string>
+
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "gtest/gtest.h"
+#include "proto/latentd.pb.h"
+
+namespace latentd::server::wire {
+namespace {
+
+using google::protobuf::io::ArrayInputStream;
+
+// Splits the input into small chunks so that fields cross buffer boundaries.
+ArrayInputStream Stream(const std::string& bytes) { return ArrayInputStream(bytes.data(), bytes.size(), 7); }
+
+v1::DecodeStep MakeStep(uint64_t id, const std::string& seq, int layer, int q_bytes, int kv_bytes) {
+  v1::DecodeStep s;
+  s.set_request_id(id);
+  s.set_sequence_id(seq);
+  s.set_layer(layer);
+  std::string q(q_bytes, '\0'), kv(kv_bytes, '\0');
+  for (int i = 0; i < q_bytes; ++i) q[i] = static_cast<char>(i * 7 + id);
+  for (int i = 0; i < kv_bytes; ++i) kv[i] = static_cast<char>(i * 13 + id);
+  s.set_q(q);
+  s.set_kv(kv);
+  s.set_causal(id % 2 == 1);
+  s.set_timeout_ms(static_cast<uint32_t>(id * 10));
+  return s;
+}
+
+struct Buffers {
+  std::string id, q, kv;
+  StepFields Fields() {
+    StepFields f;
+    f.sequence_id = &id;
+    f.q = &q;
+    f.kv = &kv;
+    return f;
+  }
+};
+
+TEST(WireTest, StepsRoundTripAgainstProtobuf) {
+  v1::DecodeRequest req;
+  for (int i = 0; i < 5; ++i) *req.add_steps() = MakeStep(100 + i, "seq-" + std::to_string(i), i, 40 * i, 8 * i);
+  const std::string bytes = req.SerializeAsString();
+  auto counted = Stream(bytes);
+  ASSERT_EQ(*CountDecodeSteps(&counted, 100), 5);
+
+  StepBounds b;
+  b.max_q_bytes = 1000;
+  b.max_kv_bytes = 1000;
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  Buffers buf;
+  for (int i = 0; i < 5; ++i) {
+    StepFields f = buf.Fields();
+    auto more = reader.Next(b, &f);
+    ASSERT_TRUE(more.ok()) << more.status();
+    ASSERT_TRUE(*more);
+    const v1::DecodeStep& want = req.steps(i);
+    EXPECT_EQ(f.request_id, want.request_id());
+    EXPECT_EQ(buf.id, want.sequence_id());
+    EXPECT_EQ(f.layer, want.layer());
+    EXPECT_EQ(buf.q, want.q());
+    EXPECT_EQ(buf.kv, want.kv());
+    EXPECT_EQ(f.q_bytes, static_cast<int64_t>(want.q().size()));
+    EXPECT_EQ(f.causal, want.causal());
+    EXPECT_EQ(f.timeout_ms, want.timeout_ms());
+  }
+  StepFields f = buf.Fields();
+  auto more = reader.Next(b, &f);
+  ASSERT_TRUE(more.ok());
+  EXPECT_FALSE(*more);
+}
+
+TEST(WireTest, OversizedFieldsAreSkippedWithTheirSize) {
+  v1::DecodeRequest req;
+  *req.add_steps() = MakeStep(1, std::string(300, 'a'), 0, 5000, 10);
+  *req.add_steps() = MakeStep(2, "ok", 0, 16, 10);
+  const std::string bytes = req.SerializeAsString();
+  StepBounds b;
+  b.max_q_bytes = 64;
+  b.max_kv_bytes = 64;
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  Buffers buf;
+  StepFields f = buf.Fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_EQ(f.sequence_id_bytes, 300);
+  EXPECT_TRUE(buf.id.empty());
+  EXPECT_EQ(f.q_bytes, 5000);
+  EXPECT_TRUE(buf.q.empty());
+  EXPECT_EQ(buf.kv.size(), 10u);
+  f = buf.Fields();
+  ASSERT_TRUE(*reader.Next(b, &f));  // the next step is read normally after the skip
+  EXPECT_EQ(f.request_id, 2u);
+  EXPECT_EQ(buf.id, "ok");
+  EXPECT_EQ(buf.q, req.steps(1).q());
+}
+
+TEST(WireTest, CountStopsAtTheLimitWithoutReadingFurther) {
+  // 100000 empty steps: 2 bytes each on the wire.
+  std::string bytes;
+  for (int i = 0; i < 100000; ++i) bytes += std::string("\x0a\x00", 2);
+  auto in = Stream(bytes);
+  auto n = CountDecodeSteps(&in, 1024);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 1025);
+  auto all = Stream(bytes);
+  EXPECT_EQ(*CountDecodeSteps(&all, 1 << 20), 100000);
+}
+
+TEST(WireTest, UnknownFieldsAreSkipped) {
+  v1::DecodeRequest req;
+  *req.add_steps() = MakeStep(9, "s", 1, 8, 8);
+  std::string bytes = req.SerializeAsString();
+  // An unknown varint field 15 at the top level and an unknown bytes field 20 inside
+  // a second step.
+  bytes += std::string("\x78\x05", 2);
+  std::string step = MakeStep(10, "t", 2, 8, 8).SerializeAsString();
+  step += std::string("\xa2\x01\x03xyz", 6);
+  bytes += '\x0a';
+  bytes += static_cast<char>(step.size());
+  bytes += step;
+  auto counted = Stream(bytes);
+  EXPECT_EQ(*CountDecodeSteps(&counted, 10), 2);
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  Buffers buf;
+  StepBounds b;
+  b.max_q_bytes = b.max_kv_bytes = 100;
+  StepFields f = buf.Fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_EQ(f.request_id, 9u);
+  f = buf.Fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_EQ(f.request_id, 10u);
+  EXPECT_EQ(buf.id, "t");
+  EXPECT_EQ(f.layer, 2);
+}
+
+TEST(WireTest, MalformedBytesAreInvalidArgument) {
+  v1::DecodeRequest req;
+  *req.add_steps() = MakeStep(1, "s", 0, 100, 10);
+  const std::string good = req.SerializeAsString();
+  for (size_t cut = 1; cut < good.size(); ++cut) {
+    const std::string bad = good.substr(0, cut);  // truncated inside the step
+    auto in = Stream(bad);
+    auto n = CountDecodeSteps(&in, 10);
+    EXPECT_FALSE(n.ok()) << "cut " << cut;
+    if (!n.ok()) {
+      EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument);
+    }
+  }
+  const std::string garbage("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 11);
+  auto in = Stream(garbage);
+  EXPECT_FALSE(CountDecodeSteps(&in, 10).ok());
+}
+
+TEST(WireTest, ResultsParseAsDecodeResponse) {
+  std::string out1(2048, 'o'), lse1(64, 'l'), msg2 = "steps[1]: bad", empty;
+  ResultView r1;
+  r1.request_id = 77;
+  r1.out = &out1;
+  r1.lse = &lse1;
+  ResultView r2;
+  r2.request_id = 0;
+  r2.code = 3;
+  r2.message = &msg2;
+  ResultView r3;
+  r3.request_id = 5;
+  r3.code = -1;  // negative int32 takes ten bytes
+  std::string buf(EncodedResultSize(r1) + EncodedResultSize(r2) + EncodedResultSize(r3), '\0');
+  uint8_t* p = reinterpret_cast<uint8_t*>(&buf[0]);
+  p = EncodeResult(r1, p);
+  p = EncodeResult(r2, p);
+  p = EncodeResult(r3, p);
+  ASSERT_EQ(p, reinterpret_cast<uint8_t*>(&buf[0]) + buf.size());
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(buf));
+  ASSERT_EQ(resp.results_size(), 3);
+  EXPECT_EQ(resp.results(0).request_id(), 77u);
+  EXPECT_EQ(resp.results(0).out(), out1);
+  EXPECT_EQ(resp.results(0).lse(), lse1);
+  EXPECT_EQ(resp.results(0).code(), 0);
+  EXPECT_EQ(resp.results(1).code(), 3);
+  EXPECT_EQ(resp.results(1).message(), msg2);
+  EXPECT_EQ(resp.results(2).code(), -1);
+  EXPECT_EQ(resp.results(2).request_id(), 5u);
+}
+
+TEST(WireTest, AppendKvRequest) {
+  v1::AppendKvRequest req;
+  req.set_sequence_id("abc");
+  req.set_layer(3);
+  req.set_kv(std::string(5000, 'k'));
+  const std::string bytes = req.SerializeAsString();
+  std::string id, kv;
+  AppendFields f;
+  f.sequence_id = &id;
+  f.kv = &kv;
+  auto in = Stream(bytes);
+  ASSERT_TRUE(ReadAppendKvRequest(&in, 128, &f).ok());
+  EXPECT_EQ(id, "abc");
+  EXPECT_EQ(f.layer, 3);
+  EXPECT_EQ(kv, req.kv());
+  req.set_sequence_id(std::string(500, 'x'));
+  const std::string long_id = req.SerializeAsString();
+  auto in2 = Stream(long_id);
+  ASSERT_TRUE(ReadAppendKvRequest(&in2, 128, &f).ok());
+  EXPECT_EQ(f.sequence_id_bytes, 500);
+  EXPECT_TRUE(id.empty());
+  auto in3 = Stream(bytes.substr(0, bytes.size() - 1));
+  EXPECT_FALSE(ReadAppendKvRequest(&in3, 128, &f).ok());
+}
+
+}  // namespace
+}  // namespace latentd::server::wire
