@@ -53,7 +53,22 @@ ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "largest request message accepted; larger ones fail RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_stream_inflight, 1024, "unanswered steps per Decode stream before the server stops reading it");
+ABSL_FLAG(int, max_stream_inflight, 1024,
+          "unanswered steps per Decode stream; the server stops reading the stream there, and steps of a "
+          "message beyond it fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_steps_per_message, 1024,
+          "most steps in one DecodeRequest; a larger message ends its stream RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_inflight_bytes, int64_t{2} << 30,
+          "step buffers (q, kv, out, lse) held for all Decode streams together; steps beyond fail "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_streams, 4096, "Decode and AppendKv streams open at once over all clients");
+ABSL_FLAG(int, max_streams_per_connection, 1024,
+          "concurrent RPCs per client connection (HTTP/2 MAX_CONCURRENT_STREAMS; more wait in the client)");
+ABSL_FLAG(int64_t, max_upload_bytes, int64_t{256} << 20,
+          "AppendKv bytes received and not yet applied, over all streams; beyond it the upload fails "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
+          "memory gRPC may use for its own buffers (connections, messages being received); a ResourceQuota");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
 ABSL_FLAG(int64_t, stream_stall_timeout_s, 60,
           "cancel a Decode stream whose client has not taken a response for this long (0: never)");
@@ -192,7 +207,20 @@ int Run() {
   so.auth_token = absl::GetFlag(FLAGS_auth_token);
   so.max_s_q = eo.max_s_q;
   so.max_message_bytes = max_message_bytes;
-  so.max_stream_inflight = std::max(1, absl::GetFlag(FLAGS_max_stream_inflight));
+  so.max_stream_inflight = absl::GetFlag(FLAGS_max_stream_inflight);
+  so.max_steps_per_message = absl::GetFlag(FLAGS_max_steps_per_message);
+  so.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  so.max_streams = absl::GetFlag(FLAGS_max_streams);
+  so.max_upload_bytes = absl::GetFlag(FLAGS_max_upload_bytes);
+  if (so.max_stream_inflight < 1) return Fail("--max_stream_inflight: expected at least 1");
+  if (so.max_steps_per_message < 1) return Fail("--max_steps_per_message: expected at least 1");
+  if (so.max_inflight_bytes < (int64_t{1} << 20)) return Fail("--max_inflight_bytes: expected at least 1 MiB");
+  if (so.max_streams < 1) return Fail("--max_streams: expected at least 1");
+  if (so.max_upload_bytes < 1) return Fail("--max_upload_bytes: expected at least 1");
+  const int max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  if (max_streams_per_connection < 1) return Fail("--max_streams_per_connection: expected at least 1");
+  const int64_t grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  if (grpc_memory_bytes < (int64_t{64} << 20)) return Fail("--grpc_memory_bytes: expected at least 64 MiB");
   so.version = kVersion;
   DecodeServiceImpl service(engine.get(), so);
 
@@ -206,6 +234,10 @@ int Run() {
   // the port with a running one; a taken port must fail the start instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_streams_per_connection);
+  grpc::ResourceQuota quota("latentd");
+  quota.Resize(static_cast<size_t>(grpc_memory_bytes));
+  builder.SetResourceQuota(quota);
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -252,6 +284,8 @@ int Run() {
         const int released = engine->ReleaseIdleSequences(ttl);
         if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);
       }
+      // Spare buffers of idle streams go back (a burst does not keep its memory).
+      service.TrimIdleStreams();
       if (stall_s > 0) {
         const int cancelled = service.CancelStalledStreams(stall);
         if (cancelled > 0) {

@@ -1,0 +1,360 @@
+// Heavy and hostile traffic against the real daemon, each case bounded in time: stream
+// churn beside hundreds of idle streams, drain during churn, messages that try to make
+// the server hold more than its limits, thousands of streams, and the daemon's memory
+// after each. A checked client's results stay correct throughout.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "tests/integration/daemon.h"
+#include "tests/integration/tracker.h"
+
+namespace latentd::testing {
+namespace {
+
+// Resident set of a process in bytes (0 if unreadable).
+int64_t RssBytes(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      int64_t kb = 0;
+      std::string digits;
+      for (char c : line)
+        if (c >= '0' && c <= '9') digits += c;
+      if (absl::SimpleAtoi(digits, &kb)) return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+constexpr int64_t kMiB = 1 << 20;
+
+// Sends raw bytes as one message on a Decode stream and collects what comes back.
+struct RawOutcome {
+  grpc::Status status;
+  std::vector<v1::StepResult> results;
+};
+RawOutcome RawDecode(client::Client* c, const std::string& bytes) {
+  grpc::GenericStub stub(c->channel());
+  grpc::ClientContext ctx;
+  c->Prepare(&ctx);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/latentd.v1.DecodeService/Decode", &cq);
+  RawOutcome out;
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer req(&slice, 1);
+  call->Write(req, reinterpret_cast<void*>(2));
+  cq.Next(&tag, &ok);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  for (;;) {
+    grpc::ByteBuffer resp;
+    call->Read(&resp, reinterpret_cast<void*>(4));
+    cq.Next(&tag, &ok);
+    if (!ok) break;
+    std::vector<grpc::Slice> slices;
+    resp.Dump(&slices);
+    std::string s;
+    for (auto& sl : slices) s.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    v1::DecodeResponse r;
+    EXPECT_TRUE(r.ParseFromString(s));
+    for (auto& x : r.results()) out.results.push_back(x);
+  }
+  call->Finish(&out.status, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  return out;
+}
+
+// Opens Decode streams and closes them every way a client can, as fast as it can:
+// a step and a clean close, a step and a cancel, a cancel before anything is sent.
+void Churn(client::Client* c, const std::string& seq, absl::Time until, std::atomic<int>* streams,
+           uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const client::Shape& sh = c->shape();
+  while (absl::Now() < until) {
+    auto stream = c->OpenDecodeStream();
+    const int mode = static_cast<int>(rng() % 3);
+    if (mode != 2) {
+      v1::DecodeRequest req;
+      v1::DecodeStep* s = req.add_steps();
+      s->set_request_id(rng());
+      s->set_sequence_id(seq);
+      s->set_q(std::string(static_cast<size_t>(sh.QBytes(1)), '\x01'));
+      s->set_kv(std::string(static_cast<size_t>(sh.KvBytes(1)), '\x01'));
+      stream->Write(req);
+    }
+    if (mode == 0) {
+      stream->WritesDone();
+    } else {
+      stream->Cancel();
+    }
+    v1::DecodeResponse resp;
+    while (stream->Read(&resp)) {
+      for (const auto& r : resp.results()) {
+        if (r.code() == 0) EXPECT_EQ(static_cast<int64_t>(r.out().size()), sh.OutBytes(1));
+      }
+    }
+    stream->Finish();
+    streams->fetch_add(1);
+  }
+}
+
+TEST(StressTest, ChurnBesideIdleStreamsAndDrain) {
+  // Stall checks every 125 ms visit every open stream while streams come and go.
+  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=1024", "--stream_stall_timeout_s=1",
+                 "--drain_timeout_s=20"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto checked = daemon.Connect();
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  Tracker tracker(checked->get(), 3);
+  auto mine = tracker.NewSequence({200});
+  ASSERT_TRUE(mine.ok()) << mine.status();
+
+  // A few hundred streams that sit idle.
+  auto idle_client = daemon.Connect();
+  ASSERT_TRUE(idle_client.ok());
+  std::vector<std::unique_ptr<client::DecodeStream>> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back((*idle_client)->OpenDecodeStream());
+
+  constexpr int kChurners = 4;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::string> seqs;
+  for (int i = 0; i < kChurners; ++i) {
+    auto c = daemon.Connect();
+    ASSERT_TRUE(c.ok());
+    auto s = (*c)->CreateSequence();
+    ASSERT_TRUE(s.ok());
+    seqs.push_back(*s);
+    clients.push_back(std::move(*c));
+  }
+  std::atomic<int> churned{0};
+  const absl::Time until = absl::Now() + absl::Seconds(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kChurners; ++i) {
+    threads.emplace_back([&, i] { Churn(clients[i].get(), seqs[i], until, &churned, 100 + i); });
+  }
+  int results = 0;
+  while (absl::Now() < until) {
+    auto r = (*checked)->DecodeAll({tracker.Step(*mine, 0)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (const auto& [id, res] : *r) {
+      ASSERT_TRUE(tracker.Check(res).ok()) << tracker.Check(res);
+      ++results;
+    }
+  }
+  for (auto& t : threads) t.join();
+  std::printf("%d streams churned beside 300 idle ones; %d checked results\n", churned.load(), results);
+  EXPECT_GT(churned.load(), 100);
+  ASSERT_TRUE(daemon.Running()) << daemon.Log();
+
+  // Drain while streams churn: the daemon exits by itself, not by a signal.
+  std::atomic<int> churned2{0};
+  const absl::Time until2 = absl::Now() + absl::Seconds(3);
+  threads.clear();
+  for (int i = 0; i < kChurners; ++i) {
+    threads.emplace_back([&, i] { Churn(clients[i].get(), seqs[i], until2, &churned2, 200 + i); });
+  }
+  absl::SleepFor(absl::Seconds(1));
+  daemon.Signal(SIGTERM);
+  const int code = daemon.Wait(absl::Seconds(40));
+  for (auto& t : threads) t.join();
+  idle.clear();
+  EXPECT_GE(code, 0) << daemon.Log();
+  EXPECT_LT(code, 128) << "killed by a signal\n" << daemon.Log();
+  EXPECT_TRUE(absl::StrContains(daemon.Log(), "drain")) << daemon.Log();
+}
+
+TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
+  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=256", "--max_stream_inflight=100",
+                 "--max_steps_per_message=500"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get(), 5);
+  auto seq = tracker.NewSequence({100});
+  ASSERT_TRUE(seq.ok());
+  absl::SleepFor(absl::Milliseconds(200));
+  const int64_t rss0 = RssBytes(daemon.pid());
+  ASSERT_GT(rss0, 0);
+
+  // 4M empty steps in 8 MiB: refused as a whole before any step is copied.
+  std::string empty_steps;
+  empty_steps.reserve(8 * kMiB);
+  for (int i = 0; i < 4000000; ++i) empty_steps.append("\x0a\x00", 2);
+  RawOutcome big = RawDecode(c->get(), empty_steps);
+  EXPECT_EQ(big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << big.status.error_message();
+  EXPECT_TRUE(absl::StrContains(big.status.error_message(), "--max_steps_per_message"))
+      << big.status.error_message();
+  EXPECT_TRUE(big.results.empty());
+  const int64_t rss1 = RssBytes(daemon.pid());
+  std::printf("RSS %.1f MiB before, %.1f MiB after an 8 MiB message of 4M empty steps\n",
+              double(rss0) / kMiB, double(rss1) / kMiB);
+  EXPECT_LT(rss1 - rss0, 64 * kMiB);
+
+  // 300 valid steps in one message with room for 100: 100 run, 200 are refused by name.
+  v1::DecodeRequest req;
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 300; ++i) {
+    auto s = tracker.NewSequence({10});
+    ASSERT_TRUE(s.ok()) << s.status();
+    *req.add_steps() = tracker.Step(*s, 0);
+  }
+  RawOutcome some = RawDecode(c->get(), req.SerializeAsString());
+  EXPECT_TRUE(some.status.ok()) << some.status.error_message();
+  ASSERT_EQ(some.results.size(), 300u);
+  int ok = 0, refused = 0;
+  for (const auto& r : some.results) {
+    if (r.code() == 0) {
+      EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+      ++ok;
+    } else {
+      EXPECT_EQ(r.code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED)) << r.message();
+      EXPECT_TRUE(absl::StrContains(r.message(), "--max_stream_inflight")) << r.message();
+      ++refused;
+    }
+  }
+  EXPECT_EQ(ok, 100);
+  EXPECT_EQ(refused, 200);
+  ASSERT_TRUE(daemon.Running()) << daemon.Log();
+}
+
+TEST(StressTest, StreamMemoryShrinksAfterABurst) {
+  Daemon daemon({"--num_layers=1", "--num_heads_q=64", "--kv_pages=256", "--max_stream_inflight=1024",
+                 "--stream_stall_timeout_s=1"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get(), 9);
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 50; ++i) {
+    auto s = tracker.NewSequence({8});
+    ASSERT_TRUE(s.ok());
+    seqs.push_back(*s);
+  }
+  auto stream = (*c)->OpenDecodeStream();
+  // Warm the stream up with one step so its fixed costs are in the baseline.
+  v1::DecodeRequest one;
+  *one.add_steps() = tracker.Step(seqs[0], 0);
+  ASSERT_TRUE(stream->Write(one));
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  absl::SleepFor(absl::Seconds(1));
+  const int64_t rss0 = RssBytes(daemon.pid());
+
+  // A burst of 1000 steps (about 140 MiB of inputs and results), all in flight at once.
+  int expected = 0;
+  for (int m = 0; m < 4; ++m) {
+    v1::DecodeRequest req;
+    for (int i = 0; i < 250; ++i) *req.add_steps() = tracker.Step(seqs[(m * 250 + i) % seqs.size()], 0);
+    ASSERT_TRUE(stream->Write(req));
+    expected += 250;
+  }
+  int got = 0;
+  while (got < expected && stream->Read(&resp)) {
+    for (const auto& r : resp.results()) {
+      EXPECT_EQ(r.code(), 0) << r.message();
+      ++got;
+    }
+  }
+  ASSERT_EQ(got, expected);
+  const int64_t rss_peak = RssBytes(daemon.pid());
+  // The stream stays open and idle: housekeeping trims it.
+  absl::SleepFor(absl::Seconds(2));
+  const int64_t rss1 = RssBytes(daemon.pid());
+  std::printf("RSS %.1f MiB before a 1000-step burst, %.1f MiB after it, %.1f MiB once idle\n",
+              double(rss0) / kMiB, double(rss_peak) / kMiB, double(rss1) / kMiB);
+  EXPECT_LT(rss1 - rss0, 24 * kMiB);
+  stream->WritesDone();
+  while (stream->Read(&resp)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST(StressTest, ThousandsOfStreamsAndTheStreamLimit) {
+  // One client connection carries them all: its own limit is raised out of the way.
+  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=256", "--max_streams=1500",
+                 "--max_streams_per_connection=4000"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get(), 11);
+  auto seq = tracker.NewSequence({64});
+  ASSERT_TRUE(seq.ok());
+  const int64_t rss0 = RssBytes(daemon.pid());
+
+  // 2000 streams at once over a few connections: 1500 are served, the rest refused.
+  constexpr int kStreams = 2000;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int i = 0; i < 4; ++i) {
+    client::ClientOptions o;
+    o.target = daemon.target();
+    auto cc = client::Client::Connect(o);
+    ASSERT_TRUE(cc.ok());
+    clients.push_back(std::move(*cc));
+  }
+  std::vector<std::unique_ptr<client::DecodeStream>> streams;
+  for (int i = 0; i < kStreams; ++i) streams.push_back(clients[i % clients.size()]->OpenDecodeStream());
+  absl::SleepFor(absl::Seconds(1));  // every call has reached the server before any ends
+  // Each served stream sends one step to a sequence of their own (checked for code and
+  // shape only; the tracker's sequence stays as the tracker knows it).
+  auto bulk = (*c)->CreateSequence();
+  ASSERT_TRUE(bulk.ok());
+  const client::Shape& sh = (*c)->shape();
+  v1::DecodeRequest req;
+  v1::DecodeStep* s = req.add_steps();
+  s->set_sequence_id(*bulk);
+  s->set_q(std::string(static_cast<size_t>(sh.QBytes(1)), '\x01'));
+  s->set_kv(std::string(static_cast<size_t>(sh.KvBytes(1)), '\x01'));
+  for (auto& st : streams) {
+    st->Write(req);
+    st->WritesDone();
+  }
+  int served = 0, refused = 0, other = 0;
+  for (auto& st : streams) {
+    v1::DecodeResponse resp;
+    int results = 0;
+    while (st->Read(&resp)) results += resp.results_size();
+    const grpc::Status status = st->Finish();
+    if (status.ok() && results == 1) {
+      ++served;
+    } else if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+               absl::StrContains(status.error_message(), "--max_streams")) {
+      ++refused;
+    } else {
+      ++other;
+      ADD_FAILURE() << status.error_code() << " " << status.error_message();
+    }
+  }
+  std::printf("%d streams served, %d refused over --max_streams, RSS %.1f -> %.1f MiB\n", served, refused,
+              double(rss0) / kMiB, double(RssBytes(daemon.pid())) / kMiB);
+  EXPECT_GE(served, 1500 - 1);  // all open at once: exactly the limit (one test stream aside)
+  EXPECT_GT(refused, 0);
+  EXPECT_EQ(served + refused + other, kStreams);
+  streams.clear();
+  // Once they are gone, new streams are served again.
+  auto r = (*c)->DecodeAll({tracker.Step(*seq, 0)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(daemon.Running()) << daemon.Log();
+}
+
+}  // namespace
+}  // namespace latentd::testing
