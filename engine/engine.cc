@@ -1,6 +1,7 @@
 // The engine: sequences and their KV pages, and the scheduler loop that batches every
-// caller's decode steps into one launch (continuous batching, FIFO by arrival, at
-// most one step per (sequence, layer) per batch, while the previous batch computes).
+// caller's decode steps into one launch (continuous batching, rows shared fairly
+// between flows, FIFO within a flow and per (sequence, layer), at most one step per
+// (sequence, layer) per batch, while the previous batch computes).
 #include "engine/engine.h"
 
 #include <pthread.h>
@@ -16,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/attention_backend.h"
 #include "engine/batch.h"
+#include "engine/fair_queue.h"
 #include "engine/metrics.h"
 #include "engine/step_queue.h"
 #include "kernels/params.h"
@@ -26,16 +28,23 @@ namespace {
 using kernels::kHeadDimQK;
 using kernels::kHeadDimV;
 
+// AppendKv copies at most this much per hold of the KV lock: about a millisecond of
+// memcpy, so a 60 MiB upload delays other clients' batches by that, not by the whole
+// copy. Rounded down to whole pages (at least one).
+constexpr size_t kAppendChunkBytes = size_t{1} << 20;
+// ReleaseIdleSequences releases at most this many sequences per hold of the KV lock.
+constexpr int kIdleReleaseBatch = 256;
+
 class EngineImpl final : public Engine {
  public:
   EngineImpl(const EngineOptions& o, std::unique_ptr<AttentionBackend> backend)
       : o_(o),
         backend_(std::move(backend)),
         kv_(backend_->kv_config(), backend_->storage()),
-        queue_(o.max_queue) {
+        queue_(o.max_queue),
+        fair_(o.max_queue) {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
-    pending_.reserve(o.max_queue);
-    merge_scratch_.reserve(o.max_queue);
+    incoming_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
     scheduler_ = std::thread([this] {
       pthread_setname_np(pthread_self(), "latentd-sched");  // for top -H and debuggers
@@ -63,6 +72,7 @@ class EngineImpl final : public Engine {
 
   absl::StatusOr<std::string> CreateSequence(absl::string_view id) override {
     absl::MutexLock lock(&kv_mu_);
+    if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
     auto seq = kv_.CreateSequence(id);
     if (!seq.ok()) return seq.status();
     kv_.Touch(*seq, absl::Now());
@@ -79,22 +89,67 @@ class EngineImpl final : public Engine {
       return absl::InvalidArgumentError(absl::StrCat("kv: expected a positive multiple of ", row,
                                                      " bytes ([n, h_kv=", o_.model.num_heads_kv, ", 576] ",
                                                      kernels::DTypeName(o_.model.dtype), "), got ", kv.size()));
-    absl::MutexLock lock(&kv_mu_);
-    kv::Sequence* seq = kv_.Find(id);
-    if (seq == nullptr) return NotFound(id);
-    absl::Status st = kv_.Append(seq, layer, kv.data(), static_cast<int>(kv.size() / row));
-    if (!st.ok()) {
-      if (absl::IsResourceExhausted(st)) rejected_out_of_pages_.fetch_add(1);
-      return st;
+    const int n = static_cast<int>(kv.size() / row);
+    // Chunks of whole pages, so every chunk but the last ends on a page boundary.
+    const int chunk_rows = static_cast<int>(
+        std::max<size_t>(1, kAppendChunkBytes / (row * kernels::kPageSize)) * kernels::kPageSize);
+    // The lock is dropped between chunks. Between them the sequence may be released
+    // (and even re-created under the same id: the serial tells), or another step may
+    // append to the same layer; the first ends the upload with NOT_FOUND, the second
+    // only interleaves rows (see engine.h). Reserving every page first and copying
+    // outside the lock would need pages that are neither free nor readable yet, which
+    // the manager does not have, and a copy racing a release could write into pages
+    // handed to another sequence; copying under the lock in bounded pieces has neither
+    // problem.
+    uint64_t serial = 0;
+    int64_t start_length = 0;
+    for (int done = 0; done < n;) {
+      if (done > 0 && o_.on_append_chunk_for_testing) o_.on_append_chunk_for_testing();
+      const int rows = std::min(chunk_rows, n - done);
+      absl::MutexLock lock(&kv_mu_);
+      kv::Sequence* seq = kv_.Find(id);
+      if (done == 0) {
+        if (seq == nullptr) return NotFound(id);
+        serial = kv_.Serial(seq);
+        start_length = kv_.Length(seq, layer);
+        const int64_t total_pages = backend_->kv_config().num_pages;
+        if ((start_length + n + kernels::kPageSize - 1) / kernels::kPageSize > total_pages)
+          return absl::InvalidArgumentError(absl::StrCat("kv: ", n, " rows would make layer ", layer, " ",
+                                                         start_length + n, " tokens long; the whole cache holds ",
+                                                         total_pages * kernels::kPageSize));
+        // Most uploads that cannot fit are refused before copying anything (others
+        // may still take pages meanwhile: the chunks below check again).
+        const int64_t need = (start_length + n + kernels::kPageSize - 1) / kernels::kPageSize - kv_.PagesOf(seq);
+        if (need > kv_.free_pages()) {
+          rejected_out_of_pages_.fetch_add(1);
+          return absl::ResourceExhaustedError(
+              absl::StrCat("kv cache: out of pages: need ", need, ", free ", kv_.free_pages()));
+        }
+      } else if (seq == nullptr || kv_.Serial(seq) != serial) {
+        return absl::NotFoundError(absl::StrCat("sequence_id: sequence '", id, "' was released during the upload"));
+      }
+      absl::Status st = kv_.Append(seq, layer, kv.data() + size_t(done) * row, rows);
+      if (!st.ok()) {
+        // All or nothing: give back what the earlier chunks added.
+        if (done > 0) kv_.TruncateLayer(seq, layer, start_length);
+        if (absl::IsResourceExhausted(st)) rejected_out_of_pages_.fetch_add(1);
+        return st;
+      }
+      append_chunks_.fetch_add(1, std::memory_order_relaxed);
+      done += rows;
+      if (done == n) {
+        kv_.Touch(seq, absl::Now());
+        return LengthsOf(seq);
+      }
     }
-    kv_.Touch(seq, absl::Now());
-    return LengthsOf(seq);
+    return absl::InternalError("kv: empty upload");  // unreachable: n > 0
   }
 
   absl::StatusOr<std::string> ForkSequence(absl::string_view id, absl::string_view new_id) override {
     if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
     absl::MutexLock lock(&kv_mu_);
     if (kv_.Find(id) == nullptr) return NotFound(id);
+    if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
     auto seq = kv_.Fork(id, new_id);
     if (!seq.ok()) return seq.status();
     kv_.Touch(*seq, absl::Now());
@@ -109,11 +164,32 @@ class EngineImpl final : public Engine {
   }
 
   int ReleaseIdleSequences(absl::Duration ttl) override {
-    absl::MutexLock lock(&kv_mu_);
+    // One cutoff for the whole sweep: a sequence used while it runs is not idle.
+    const absl::Time cutoff = absl::Now() - ttl;
     int released = 0;
-    for (const std::string& id : kv_.IdleSequences(absl::Now() - ttl))
-      if (kv_.Release(id).ok()) ++released;
-    return released;
+    for (;;) {
+      int n;
+      {
+        absl::MutexLock lock(&kv_mu_);
+        n = kv_.ReleaseIdle(cutoff, kIdleReleaseBatch);
+      }
+      released += n;
+      if (n < kIdleReleaseBatch) return released;
+    }
+  }
+
+  absl::StatusOr<SequenceInfo> GetSequence(absl::string_view id) const override {
+    if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
+    SequenceInfo info;
+    absl::MutexLock lock(&kv_mu_);
+    const kv::Sequence* seq = kv_.Find(id);
+    if (seq == nullptr) return NotFound(id);
+    info.sequence_id = kv_.Id(seq);
+    info.lengths = kv_.Lengths(seq);
+    info.pages = kv_.PagesOf(seq);
+    info.shared_pages = kv_.SharedPagesOf(seq);
+    info.last_used = kv_.LastUsed(seq);
+    return info;
   }
 
   absl::Status Submit(DecodeStep* step) override {
@@ -150,7 +226,12 @@ class EngineImpl final : public Engine {
       m.sequences = stats.sequences;
     }
     m.rejected_out_of_pages += rejected_out_of_pages_.load();
+    m.rejected_max_sequences = rejected_max_sequences_.load();
     m.queued_steps = queue_.size();
+    m.waiting_flows = waiting_flows_.load(std::memory_order_relaxed);
+    m.last_batch_flows = last_batch_flows_.load(std::memory_order_relaxed);
+    m.last_batch_max_flow_rows = last_batch_max_flow_rows_.load(std::memory_order_relaxed);
+    m.append_chunks = append_chunks_.load(std::memory_order_relaxed);
     return m;
   }
 
@@ -167,6 +248,13 @@ class EngineImpl final : public Engine {
 
  private:
   size_t RowBytes() const { return size_t(o_.model.num_heads_kv) * kHeadDimQK * 2; }
+
+  absl::Status CheckSequenceLimit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
+    if (o_.max_sequences <= 0 || kv_.num_sequences() < o_.max_sequences) return absl::OkStatus();
+    rejected_max_sequences_.fetch_add(1);
+    return absl::ResourceExhaustedError(absl::StrCat("max_sequences: ", o_.max_sequences,
+                                                     " live sequences; release some or raise --max_sequences"));
+  }
 
   static absl::Status NotFound(absl::string_view id) {
     return absl::NotFoundError(absl::StrCat("sequence_id: no sequence '", id, "'"));
@@ -218,63 +306,53 @@ class EngineImpl final : public Engine {
     done_cv_.SignalAll();
   }
 
-  // Moves queued steps into pending_, keeping arrival order. The merge goes through
-  // merge_scratch_ (reserved once) rather than std::inplace_merge, which allocates.
+  // Moves queued steps into the fair queue (per flow, in arrival order). O(new steps).
   void Collect() {
-    const size_t before = pending_.size();
-    if (queue_.DrainInto(&pending_) > 0 && before > 0) {
-      merge_scratch_.clear();
-      std::merge(pending_.begin(), pending_.begin() + before, pending_.begin() + before, pending_.end(),
-                 std::back_inserter(merge_scratch_), [](const DecodeStep* a, const DecodeStep* b) {
-                   return StepQueue::Arrival(a) < StepQueue::Arrival(b);
-                 });
-      pending_.swap(merge_scratch_);
+    incoming_.clear();
+    if (queue_.DrainInto(&incoming_) == 0) return;
+    if (fair_.empty()) window_start_ = incoming_.front()->enqueued_at;
+    for (DecodeStep* s : incoming_) {
+      // Cannot fail: the queue's bound covers every step not yet launched or dropped,
+      // and the fair queue holds as many. Kept as a check, not an assumption.
+      if (!fair_.Add(s)) {
+        queue_.Done(1);
+        failed_.push_back({s, absl::InternalError("scheduler: waiting room full")});
+      }
     }
+    incoming_.clear();
   }
 
-  // Takes steps off the front of pending_ into batch, in arrival order. Stops at the
-  // first step that does not fit, so FIFO holds and no sequence starves; a second step
-  // for a (sequence, layer) already in the batch waits for the next one.
+  // Drops cancelled and expired steps wherever they wait (O(waiting)), then lets the
+  // fair queue share the batch between flows (O(flows + batch * log flows)).
   void Form(Batch& batch) {
     batch.entries.clear();
     batch.tokens = 0;
     const absl::Time now = absl::Now();
-    size_t keep = 0, i = 0;
-    bool closed = false;
-    for (; i < pending_.size(); ++i) {
-      DecodeStep* s = pending_[i];
+    const int dropped = fair_.RemoveIf([&](DecodeStep* s) {
       if (s->cancelled != nullptr && s->cancelled->load()) {
         metrics_.Reject(RejectReason::kCancelled);
         failed_.push_back({s, absl::CancelledError("caller went away before the step was launched")});
-        continue;
+        return true;
       }
       if (now > s->deadline) {
         metrics_.Reject(RejectReason::kDeadline);
         failed_.push_back({s, absl::DeadlineExceededError("deadline passed before the step was launched")});
-        continue;
+        return true;
       }
-      bool duplicate = false;
-      if (!closed) {
-        for (const auto& e : batch.entries)
-          if (e.step->layer == s->layer && e.step->sequence_id == s->sequence_id) {
-            duplicate = true;
-            break;
-          }
-        if (static_cast<int>(batch.entries.size()) >= o_.max_batch_size ||
-            batch.tokens + s->s_q > o_.max_batch_tokens)
-          closed = true;
-      }
-      if (closed || duplicate) {
-        pending_[keep++] = s;
-        continue;
-      }
+      return false;
+    });
+    const int taken = fair_.Pick(o_.max_batch_size, o_.max_batch_tokens, [&](DecodeStep* s) {
       BatchEntry e;
       e.step = s;
       batch.entries.push_back(e);
       batch.tokens += s->s_q;
+    });
+    queue_.Done(dropped + taken);
+    if (taken > 0) {
+      last_batch_flows_.store(fair_.last_pick_flows(), std::memory_order_relaxed);
+      last_batch_max_flow_rows_.store(fair_.last_pick_max_flow_rows(), std::memory_order_relaxed);
     }
-    queue_.Done(static_cast<int>(pending_.size() - keep));
-    pending_.resize(keep);
+    waiting_flows_.store(fair_.flows(), std::memory_order_relaxed);
     batch.formed_at = now;
   }
 
@@ -348,12 +426,12 @@ class EngineImpl final : public Engine {
     int slot = 0;
     for (;;) {
       if (stop_.load() && queue_.size() == 0 && inflight == nullptr) break;
-      if (pending_.empty() && inflight == nullptr) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
+      if (fair_.empty() && inflight == nullptr) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
       Collect();
       // An idle engine waits a short window for more steps to fill the batch.
-      if (inflight == nullptr && !pending_.empty() && o_.batch_window > absl::ZeroDuration() && !stop_.load()) {
-        const absl::Time until = pending_.front()->enqueued_at + o_.batch_window;
-        while (static_cast<int>(pending_.size()) < o_.max_batch_size && absl::Now() < until) {
+      if (inflight == nullptr && !fair_.empty() && o_.batch_window > absl::ZeroDuration() && !stop_.load()) {
+        const absl::Time until = window_start_ + o_.batch_window;
+        while (fair_.size() < o_.max_batch_size && absl::Now() < until) {
           queue_.WaitForWork(until);
           Collect();
         }
@@ -389,10 +467,15 @@ class EngineImpl final : public Engine {
   StepQueue queue_;
   EngineMetricsRecorder metrics_;
   std::atomic<uint64_t> rejected_out_of_pages_{0};
+  std::atomic<uint64_t> rejected_max_sequences_{0};
+  std::atomic<uint64_t> append_chunks_{0};
+  std::atomic<int64_t> waiting_flows_{0};
+  std::atomic<int> last_batch_flows_{0}, last_batch_max_flow_rows_{0};
 
   // Scheduler thread only.
-  std::vector<DecodeStep*> pending_;
-  std::vector<DecodeStep*> merge_scratch_;
+  FairQueue fair_;                      // steps drained from queue_, not yet launched
+  std::vector<DecodeStep*> incoming_;   // one drain's worth (reserved max_queue)
+  absl::Time window_start_;             // arrival of the oldest waiting step, roughly
   std::vector<Failed> failed_;
   Batch batches_[2];
 

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,12 @@ struct EngineOptions {
   absl::Duration batch_window = absl::Microseconds(50);
   int max_s_q = 8;                  // largest s_q a step may carry
   int cpu_threads = 0;              // CPU backend threads, 0 = all
+  // Live sequences (forks included) before CreateSequence and ForkSequence fail
+  // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.
+  int64_t max_sequences = 0;
+  // Tests only: called between two chunks of a large AppendKv, with the KV lock
+  // released (to show that other work proceeds meanwhile). Empty in production.
+  std::function<void()> on_append_chunk_for_testing;
 };
 
 struct EngineInfo {
@@ -55,6 +62,16 @@ struct EngineInfo {
 struct SequenceLengths {
   std::string sequence_id;
   std::vector<int64_t> lengths;  // per layer, after the operation
+};
+
+// What a client needs to resynchronise with a sequence after losing track of it (a
+// reconnect, a failed upload): its rows per layer and the pages behind them.
+struct SequenceInfo {
+  std::string sequence_id;
+  std::vector<int64_t> lengths;  // rows per layer
+  int64_t pages = 0;             // pages its block table holds (shared ones included)
+  int64_t shared_pages = 0;      // of those, pages another sequence (a fork) also holds
+  absl::Time last_used;          // last create, append or decode step (for the idle TTL)
 };
 
 // One decode step. The caller owns every buffer and keeps them (and the step) alive
@@ -71,6 +88,10 @@ class StepCallback {
 
 struct DecodeStep {
   uint64_t request_id = 0;
+  // The submitter's fairness key (for example one per gRPC stream): each batch shares
+  // its query rows fairly between the flows with steps waiting, and steps of one flow
+  // launch in the order submitted. 0 = the step's sequence is its own flow.
+  uint64_t flow = 0;
   std::string sequence_id;
   int layer = 0;
   int s_q = 1;
@@ -100,8 +121,16 @@ struct EngineMetrics {
   int64_t pages_used = 0, pages_free = 0, pages_high_water = 0;
   uint64_t rejected_queue_full = 0, rejected_out_of_pages = 0, rejected_invalid = 0,
            rejected_deadline = 0, dropped_cancelled = 0;
+  uint64_t rejected_max_sequences = 0;  // CreateSequence/ForkSequence at max_sequences
   int64_t queued_steps = 0;
   int64_t sequences = 0;
+  // Fair sharing: flows with steps waiting now; of the last batch, the flows it served
+  // and the most query rows one flow got.
+  int64_t waiting_flows = 0;
+  int last_batch_flows = 0;
+  int last_batch_max_flow_rows = 0;
+  // AppendKv copies in chunks, dropping the KV lock in between; chunks copied so far.
+  uint64_t append_chunks = 0;
 };
 
 class Engine {
@@ -112,17 +141,28 @@ class Engine {
   virtual EngineInfo Info() const = 0;
 
   // Empty id: the engine makes an unguessable one. ALREADY_EXISTS for a taken id,
-  // INVALID_ARGUMENT for a malformed one.
+  // INVALID_ARGUMENT for a malformed one, RESOURCE_EXHAUSTED at max_sequences.
   virtual absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id) = 0;
   // Appends n = kv.size() / (h_kv * 576 * 2) rows to one layer. All or nothing:
-  // RESOURCE_EXHAUSTED when pages run out.
+  // RESOURCE_EXHAUSTED when pages run out. Large uploads are copied in chunks with the
+  // KV lock dropped in between, so other clients' steps keep launching. Decoding or
+  // appending to the same (sequence, layer) while it uploads is the caller's mistake:
+  // the rows then interleave in an undefined order (and a failing upload truncates
+  // the layer back to its length before the upload, other rows included), but the
+  // cache stays consistent. NOT_FOUND if the sequence is released meanwhile.
   virtual absl::StatusOr<SequenceLengths> AppendKv(absl::string_view sequence_id, int layer,
                                                    absl::string_view kv) = 0;
+  // RESOURCE_EXHAUSTED at max_sequences (a fork is a sequence like any other).
   virtual absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id,
                                                    absl::string_view new_sequence_id) = 0;
+  // Lengths and pages of one sequence; NOT_FOUND (field sequence_id) for an unknown
+  // one. A read: it does not count as use for the idle TTL.
+  virtual absl::StatusOr<SequenceInfo> GetSequence(absl::string_view sequence_id) const = 0;
   // Returns the number of pages freed (pages still shared with forks are not freed).
   virtual absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id) = 0;
-  // Releases every sequence idle for longer than ttl; returns how many.
+  // Releases every sequence idle for longer than ttl (unused since now - ttl); returns
+  // how many. Works oldest first in small batches, dropping the KV lock in between, so
+  // a large sweep does not stall decoding.
   virtual int ReleaseIdleSequences(absl::Duration ttl) = 0;
 
   // Never blocks. An error return means the step was not accepted (bad field, unknown

@@ -1,10 +1,12 @@
 // Engine scenarios: batched results against the CPU oracle, order per sequence, mixed
-// layers and s_q in one batch, fairness under overload, backpressure, cancellation,
-// deadlines, pool exhaustion mid-run, draining. Built twice: on the CPU backend (CI,
+// layers and s_q in one batch, fairness under overload and between flows,
+// backpressure, cancellation, deadlines, pool exhaustion mid-run, draining, chunked
+// uploads, the sequence limit and resync. Built twice: on the CPU backend (CI,
 // bit-exact against the oracle) and on the CUDA backend (tag gpu, within tolerance).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <thread>
 
 #include "engine/engine.h"
@@ -401,6 +403,283 @@ TEST_F(EngineTest, ManyThreadsSubmitting) {
     });
   for (auto& t : threads) t.join();
   EXPECT_EQ(engine->Metrics().steps_completed, uint64_t{kThreads} * 20);
+}
+
+// Holds the scheduler inside the first batch's completion, so that every step
+// submitted afterwards is waiting when the next batch forms. Metrics count a batch
+// before its callbacks run, so once batches reaches 1 the scheduler is in (or about
+// to enter) the held callback.
+void StallScheduler(Engine* engine, Harness& h, const std::string& seq) {
+  h.HoldCallbacks(true);
+  ASSERT_TRUE(h.Submit(h.MakeStep(seq, 0, 1, false)).ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (engine->Metrics().batches < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(engine->Metrics().batches, 1u);
+}
+
+// One flow floods 3000 steps; a steady flow's step submitted after them goes into the
+// very next batch. Plain FIFO would run it after the whole flood.
+TEST_F(EngineTest, FloodFlowDoesNotDelaySteadyFlow) {
+  EngineOptions o = Model(1, 16);
+  o.max_batch_size = 64;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 31);
+  std::vector<std::string> flood_seqs;
+  for (int i = 0; i < 100; ++i) flood_seqs.push_back(h.NewSequence(1));
+  const std::string steady = h.NewSequence(5), blocker = h.NewSequence(1);
+  StallScheduler(engine.get(), h, blocker);
+  std::vector<Harness::Pending*> flood;
+  for (int i = 0; i < 3000; ++i) {
+    flood.push_back(h.MakeStep(flood_seqs[i % flood_seqs.size()], 0, 1, false));
+    flood.back()->step.flow = 1;
+    ASSERT_TRUE(h.Submit(flood.back()).ok());
+  }
+  auto* mine = h.MakeStep(steady, 0, 1, false);
+  mine->step.flow = 2;
+  ASSERT_TRUE(h.Submit(mine).ok());
+  EXPECT_EQ(engine->Metrics().waiting_flows, 0);  // not collected while the scheduler is held
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(120)));
+  EXPECT_TRUE(h.Check(*mine, kExact));
+  // Rank 0 is the blocker; the next batch holds ranks 1..64.
+  EXPECT_LE(mine->completion_rank, o.max_batch_size) << "the steady step waited behind the flood";
+  for (size_t i = 0; i < flood.size(); ++i) {
+    ASSERT_TRUE(h.Check(*flood[i], kExact)) << i;
+    if (i > 0) ASSERT_GT(flood[i]->completion_rank, flood[i - 1]->completion_rank) << "flood reordered at " << i;
+  }
+}
+
+// Two flows with equal backlogs split every batch evenly, even though one of them
+// submitted everything first.
+TEST_F(EngineTest, EqualFlowsShareEachBatch) {
+  EngineOptions o = Model(1, 16);
+  o.max_batch_size = 8;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 32);
+  std::vector<std::string> seqs[2];
+  for (int f = 0; f < 2; ++f)
+    for (int i = 0; i < 40; ++i) seqs[f].push_back(h.NewSequence(3));
+  const std::string blocker = h.NewSequence(1);
+  StallScheduler(engine.get(), h, blocker);
+  std::vector<Harness::Pending*> steps[2];
+  for (int f = 0; f < 2; ++f)
+    for (const auto& s : seqs[f]) {
+      steps[f].push_back(h.MakeStep(s, 0, 1, false));
+      steps[f].back()->step.flow = 100 + f;
+      ASSERT_TRUE(h.Submit(steps[f].back()).ok());
+    }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  // Ten batches of eight after the blocker (ranks 1..80): four of each flow in each.
+  std::map<int, int> per_batch[2];
+  for (int f = 0; f < 2; ++f)
+    for (auto* p : steps[f]) {
+      ASSERT_TRUE(h.Check(*p, kExact));
+      ++per_batch[f][(p->completion_rank - 1) / 8];
+    }
+  for (int b = 0; b < 10; ++b) {
+    EXPECT_EQ(per_batch[0][b], 4) << "batch " << b;
+    EXPECT_EQ(per_batch[1][b], 4) << "batch " << b;
+  }
+  const auto m = engine->Metrics();
+  EXPECT_EQ(m.last_batch_flows, 2);
+  EXPECT_EQ(m.last_batch_max_flow_rows, 4);
+}
+
+// Two flows (say, a stream and its replacement after a reconnect) step the same
+// sequence and layer alternately: the steps still run one per batch in the order
+// submitted, each over the rows of the ones before it.
+TEST_F(EngineTest, SequenceLayerOrderHoldsAcrossFlows) {
+  EngineOptions o = Model(2, 16);
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 33);
+  const std::string s = h.NewSequence(60), blocker = h.NewSequence(1);
+  StallScheduler(engine.get(), h, blocker);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 24; ++i) {
+    steps.push_back(h.MakeStep(s, i % 4 < 2 ? 0 : 1, 1 + i % 3, i % 2 == 0));
+    steps.back()->step.flow = 7 + (i * 5) % 3;
+    ASSERT_TRUE(h.Submit(steps.back()).ok());
+  }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  std::map<int, int> last_rank;
+  for (auto* p : steps) {
+    EXPECT_TRUE(h.Check(*p, kExact));
+    EXPECT_GT(p->completion_rank, last_rank[p->step.layer]);
+    last_rank[p->step.layer] = p->completion_rank;
+  }
+}
+
+// An upload several chunks long lands exactly as one copy would.
+TEST_F(EngineTest, LargeAppendIsChunkedAndExact) {
+  EngineOptions o = Model(2, 16);
+  o.kv_pages = 256;
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 34);
+  const uint64_t chunks_before = engine->Metrics().append_chunks;
+  const std::string s = h.NewSequence(3000);  // 3.4 MB per layer: four 1 MiB chunks
+  EXPECT_EQ(engine->Metrics().append_chunks - chunks_before, 8u);
+  auto info = engine->GetSequence(s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths, (std::vector<int64_t>{3000, 3000}));
+  std::vector<Harness::Pending*> steps;
+  for (int layer = 0; layer < 2; ++layer) {
+    steps.push_back(h.MakeStep(s, layer, 2, true));
+    ASSERT_TRUE(h.Submit(steps.back()).ok());
+  }
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  // Within tolerance: a few long steps are split over keys across the CPU threads. A
+  // row out of place or missing would be far outside it.
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, false));
+}
+
+std::string Rows(int n, char fill) { return std::string(size_t(n) * kernels::kHeadDimQK * 2, fill); }
+
+// Pages taken by someone else between two chunks: the upload fails and the layer is
+// back at its old length, holding its old pages.
+TEST_F(EngineTest, LargeAppendFailingPartWayChangesNothing) {
+  EngineOptions o = Model(1, 16);
+  o.kv_pages = 40;
+  bool in_hook = false, hogged = false;
+  std::string hog;
+  Engine* raw = nullptr;
+  o.on_append_chunk_for_testing = [&] {
+    if (in_hook || hogged) return;
+    in_hook = true;
+    hogged = raw->AppendKv(hog, 0, Rows(19 * 64, '\x11')).ok();  // leaves 6 pages
+    in_hook = false;
+  };
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  raw = engine.get();
+  Harness h(engine.get(), 35);
+  const std::string s = h.NewSequence(10);
+  hog = *engine->CreateSequence("");
+  const int64_t free_before = engine->Info().free_pages;  // 39
+  // 1500 more rows need 23 more pages: they fit when the upload starts.
+  auto r = engine->AppendKv(s, 0, Rows(1500, '\x22'));
+  ASSERT_TRUE(hogged);
+  EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+  auto info = engine->GetSequence(s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->lengths[0], 10);
+  EXPECT_EQ(info->pages, 1);
+  EXPECT_EQ(engine->Info().free_pages, free_before - 19);
+  // The old rows are intact: a step sees exactly the prefix.
+  auto* p = h.MakeStep(s, 0, 1, false);
+  ASSERT_TRUE(h.Submit(p).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(h.Check(*p, kExact));
+  // Too big for the whole cache: refused before any copy.
+  EXPECT_TRUE(absl::IsInvalidArgument(engine->AppendKv(s, 0, Rows(41 * 64, '\x33')).status()));
+}
+
+// Another sequence's decode step runs to completion between two chunks of a large
+// upload: the KV lock is not held across the whole copy (if it were, the step could
+// not be staged and the wait below would time out).
+TEST_F(EngineTest, DecodeProgressesDuringLargeAppend) {
+  EngineOptions o = Model(1, 16);
+  o.kv_pages = 256;
+  o.batch_window = absl::ZeroDuration();
+  Harness* harness = nullptr;
+  std::string other;
+  int hook_calls = 0, completed_between = 0;
+  o.on_append_chunk_for_testing = [&] {
+    ++hook_calls;
+    if (harness == nullptr) return;
+    Harness::Pending* p = harness->MakeStep(other, 0, 1, false);
+    if (!harness->Submit(p).ok()) return;
+    if (harness->WaitAll(absl::Seconds(30)) && harness->Check(*p, kExact)) ++completed_between;
+  };
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 36);
+  other = h.NewSequence(30);
+  auto big = engine->CreateSequence("");
+  ASSERT_TRUE(big.ok());
+  harness = &h;
+  auto r = engine->AppendKv(*big, 0, Rows(4000, '\x3c'));  // five chunks
+  harness = nullptr;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->lengths[0], 4000);
+  EXPECT_EQ(hook_calls, 4);
+  EXPECT_EQ(completed_between, 4);
+}
+
+TEST_F(EngineTest, MaxSequencesBoundsCreatesAndForks) {
+  EngineOptions o = Model(1, 16);
+  o.max_sequences = 3;
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->CreateSequence("a").ok());
+  ASSERT_TRUE(engine->CreateSequence("b").ok());
+  ASSERT_TRUE(engine->ForkSequence("a", "a2").ok());
+  auto c = engine->CreateSequence("c");
+  EXPECT_TRUE(absl::IsResourceExhausted(c.status())) << c.status();
+  EXPECT_NE(c.status().message().find("max_sequences: 3 live sequences; release some or raise --max_sequences"),
+            std::string::npos)
+      << c.status();
+  auto f = engine->ForkSequence("b", "b2");
+  EXPECT_TRUE(absl::IsResourceExhausted(f.status())) << f.status();
+  EXPECT_TRUE(absl::IsNotFound(engine->GetSequence("b2").status()));
+  EXPECT_EQ(engine->Metrics().rejected_max_sequences, 2u);
+  EXPECT_EQ(engine->Metrics().sequences, 3);
+  ASSERT_TRUE(engine->ReleaseSequence("a").ok());
+  EXPECT_TRUE(engine->CreateSequence("c").ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(engine->ForkSequence("c", "").status()));
+}
+
+TEST_F(EngineTest, GetSequenceReportsLengthsAndPagesWithoutTouching) {
+  auto engine = Make(Model(2, 16));
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 37);
+  const std::string s = h.NewSequence(130);  // three pages; two full on every layer
+  ASSERT_TRUE(engine->AppendKv(s, 1, Rows(10, '\x01')).ok());
+  auto info = engine->GetSequence(s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->sequence_id, s);
+  EXPECT_EQ(info->lengths, (std::vector<int64_t>{130, 140}));
+  EXPECT_EQ(info->pages, 3);
+  EXPECT_EQ(info->shared_pages, 0);
+  const std::string child = h.Fork(s);
+  info = engine->GetSequence(s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->shared_pages, 2);  // the filled pages; the tail was copied
+  auto missing = engine->GetSequence("nope");
+  EXPECT_TRUE(absl::IsNotFound(missing.status()));
+  EXPECT_NE(missing.status().message().find("sequence_id"), std::string::npos) << missing.status();
+  // Reads are not use: polling a sequence does not keep it alive.
+  const absl::Time used = info->last_used;
+  absl::SleepFor(absl::Milliseconds(20));
+  info = engine->GetSequence(s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->last_used, used);
+  EXPECT_EQ(engine->ReleaseIdleSequences(absl::Milliseconds(10)), 2);
+  EXPECT_TRUE(absl::IsNotFound(engine->GetSequence(s).status()));
+}
+
+// More idle sequences than one pass of the sweep releases: all go, the one in use
+// stays.
+TEST_F(EngineTest, IdleSweepReleasesInBoundedPasses) {
+  EngineOptions o = Model(1, 16);
+  o.kv_pages = 64;
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(engine->CreateSequence("").ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  Harness h(engine.get(), 38);
+  const std::string busy = h.NewSequence(5);
+  EXPECT_EQ(engine->ReleaseIdleSequences(absl::Milliseconds(10)), 1000);
+  EXPECT_EQ(engine->Metrics().sequences, 1);
+  EXPECT_TRUE(engine->GetSequence(busy).ok());
 }
 
 }  // namespace

@@ -19,6 +19,9 @@ struct Sequence {
   std::vector<int32_t> block_table;  // logical page ids
   std::vector<int64_t> lengths;      // rows per layer
   absl::Time last_used;
+  uint64_t serial = 0;
+  Sequence* lru_prev = nullptr;  // the manager's last-use list
+  Sequence* lru_next = nullptr;
 };
 
 namespace {
@@ -146,8 +149,10 @@ absl::StatusOr<Sequence*> KvCacheManager::CreateSequence(absl::string_view id) {
   seq->id = *std::move(new_id);
   seq->lengths.assign(config_.num_layers, 0);
   seq->last_used = absl::Now();
+  seq->serial = next_serial_++;
   Sequence* raw = seq.get();
   sequences_.emplace(raw->id, std::move(seq));
+  Touch(raw, raw->last_used);
   return raw;
 }
 
@@ -226,8 +231,11 @@ absl::StatusOr<Sequence*> KvCacheManager::Fork(absl::string_view id,
       return s;
     }
   }
+  seq->serial = next_serial_++;
   Sequence* raw = seq.get();
   sequences_.emplace(raw->id, std::move(seq));
+  // Same last use as the source: right behind it keeps the list in order.
+  LruInsertAfter(const_cast<Sequence*>(src), raw);
   return raw;
 }
 
@@ -236,6 +244,7 @@ absl::StatusOr<int64_t> KvCacheManager::Release(absl::string_view id) {
   if (it == sequences_.end()) return UnknownSequence("sequence_id", id);
   int64_t freed = 0;
   for (int32_t page : it->second->block_table) freed += Unref(page) ? 1 : 0;
+  LruUnlink(it->second.get());
   sequences_.erase(it);
   return freed;
 }
@@ -382,15 +391,56 @@ int64_t KvCacheManager::PagesOf(const Sequence* seq) const {
 
 absl::Time KvCacheManager::LastUsed(const Sequence* seq) const { return seq->last_used; }
 
-void KvCacheManager::Touch(Sequence* seq, absl::Time now) { seq->last_used = now; }
+void KvCacheManager::LruUnlink(Sequence* seq) {
+  if (seq->lru_prev != nullptr) seq->lru_prev->lru_next = seq->lru_next; else if (lru_head_ == seq) lru_head_ = seq->lru_next;
+  if (seq->lru_next != nullptr) seq->lru_next->lru_prev = seq->lru_prev; else if (lru_tail_ == seq) lru_tail_ = seq->lru_prev;
+  seq->lru_prev = seq->lru_next = nullptr;
+}
 
-std::vector<std::string> KvCacheManager::IdleSequences(absl::Time cutoff) const {
+void KvCacheManager::LruInsertAfter(Sequence* pos, Sequence* seq) {
+  seq->lru_prev = pos;
+  seq->lru_next = pos != nullptr ? pos->lru_next : lru_head_;
+  if (seq->lru_prev != nullptr) seq->lru_prev->lru_next = seq; else lru_head_ = seq;
+  if (seq->lru_next != nullptr) seq->lru_next->lru_prev = seq; else lru_tail_ = seq;
+}
+
+void KvCacheManager::Touch(Sequence* seq, absl::Time now) {
+  seq->last_used = now;
+  LruUnlink(seq);
+  // Callers read the clock before taking their lock, so touches arrive slightly out of
+  // order; a short walk back absorbs that without making a clock step cost O(n).
+  constexpr int kMaxWalkBack = 8;
+  Sequence* pos = lru_tail_;
+  for (int i = 0; i < kMaxWalkBack && pos != nullptr && pos->last_used > now; ++i) pos = pos->lru_prev;
+  if (pos != nullptr && pos->last_used > now) pos = lru_tail_;  // gave up: by touch order
+  LruInsertAfter(pos, seq);
+}
+
+std::vector<std::string> KvCacheManager::IdleSequences(absl::Time cutoff, size_t max) const {
   std::vector<std::string> ids;
-  for (const auto& [id, seq] : sequences_) {
-    if (seq->last_used < cutoff) ids.push_back(id);
-  }
-  std::sort(ids.begin(), ids.end());
+  for (const Sequence* s = lru_head_; s != nullptr && s->last_used < cutoff && ids.size() < max; s = s->lru_next)
+    ids.push_back(s->id);
   return ids;
+}
+
+int KvCacheManager::ReleaseIdle(absl::Time cutoff, int max) {
+  int released = 0;
+  while (released < max && lru_head_ != nullptr && lru_head_->last_used < cutoff) {
+    auto it = sequences_.find(lru_head_->id);
+    for (int32_t page : it->second->block_table) Unref(page);
+    LruUnlink(it->second.get());
+    sequences_.erase(it);
+    ++released;
+  }
+  return released;
+}
+
+uint64_t KvCacheManager::Serial(const Sequence* seq) const { return seq->serial; }
+
+int64_t KvCacheManager::SharedPagesOf(const Sequence* seq) const {
+  int64_t shared = 0;
+  for (int32_t page : seq->block_table) shared += refcount_[page] > 1 ? 1 : 0;
+  return shared;
 }
 
 KvCacheManager::Stats KvCacheManager::GetStats() const {
@@ -434,6 +484,17 @@ absl::Status KvCacheManager::CheckConsistency() const {
       }
       ++refs[page];
     }
+  }
+  size_t listed = 0;
+  for (const Sequence* s = lru_head_; s != nullptr; s = s->lru_next) {
+    if (++listed > sequences_.size() || Find(s->id) != s ||
+        (s->lru_next == nullptr ? lru_tail_ != s : s->lru_next->lru_prev != s)) {
+      return absl::InternalError(absl::StrCat("last-use list is broken at sequence ", Quote(s->id)));
+    }
+  }
+  if (listed != sequences_.size()) {
+    return absl::InternalError(
+        absl::StrCat("last-use list holds ", listed, " of ", sequences_.size(), " sequences"));
   }
   int64_t used = 0;
   for (size_t p = 0; p < refs.size(); ++p) {

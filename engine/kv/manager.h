@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -98,11 +99,26 @@ class KvCacheManager {
   int64_t PagesOf(const Sequence* seq) const;
 
   // For idle-TTL release. New sequences are stamped with absl::Now(); the manager reads
-  // the clock nowhere else, so callers Touch on use.
+  // the clock nowhere else, so callers Touch on use. Sequences sit on a list in order of
+  // last use (Touch moves one to the end, a fork goes next to its source), so finding
+  // the idle ones costs O(found), not a scan and sort of every sequence. A Touch with a
+  // time earlier than the newest on the list walks back a few places to keep the order;
+  // past that (clock steps) the order is by touch, and a sequence behind a newer one is
+  // released late by at most that inversion, never early.
   absl::Time LastUsed(const Sequence* seq) const;
   void Touch(Sequence* seq, absl::Time now);
-  // Ids of sequences last used before `cutoff`.
-  std::vector<std::string> IdleSequences(absl::Time cutoff) const;
+  // Ids of up to `max` sequences last used before `cutoff`, least recently used first.
+  std::vector<std::string> IdleSequences(absl::Time cutoff, size_t max = SIZE_MAX) const;
+  // Releases up to `max` sequences last used before `cutoff`, least recently used
+  // first; returns how many. O(released + their pages).
+  int ReleaseIdle(absl::Time cutoff, int max);
+
+  int64_t num_sequences() const { return static_cast<int64_t>(sequences_.size()); }
+  // A number unique to this sequence for the manager's lifetime: tells a sequence from
+  // a later one created under the same id (and maybe at the same address).
+  uint64_t Serial(const Sequence* seq) const;
+  // Pages of the sequence's table that another sequence also references.
+  int64_t SharedPagesOf(const Sequence* seq) const;
 
   // Reads outside the manager's lock. A batch reads pages through tables it looked up
   // under the engine's lock and keeps reading after the lock is dropped, so a page
@@ -157,6 +173,13 @@ class KvCacheManager {
   uint64_t reads_opened_ = 0, reads_closed_ = 0;
   int64_t high_water_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_;
+  // Least recently used first (see Touch).
+  Sequence* lru_head_ = nullptr;
+  Sequence* lru_tail_ = nullptr;
+  uint64_t next_serial_ = 1;
+
+  void LruUnlink(Sequence* seq);
+  void LruInsertAfter(Sequence* pos, Sequence* seq);  // pos null: at the front
 };
 
 }  // namespace latentd::engine::kv

@@ -617,6 +617,53 @@ TEST_F(ManagerTest, IdleSequencesAndTouch) {
   EXPECT_EQ(mgr_->IdleSequences(t0 + absl::Seconds(5)), (std::vector<std::string>{"f"}));
 }
 
+// The idle list is kept in order of last use, so a sweep visits only what it releases,
+// oldest first, and stops at the first sequence still in use.
+TEST_F(ManagerTest, ReleaseIdleIsBoundedAndOldestFirst) {
+  const absl::Time t0 = absl::FromUnixSeconds(2'000'000);
+  std::vector<Sequence*> seqs;
+  for (int i = 0; i < 10; ++i) seqs.push_back(Create("s" + std::to_string(i)));
+  // Touched newest-first, so list order differs from creation and id order.
+  for (int i = 9; i >= 0; --i) mgr_->Touch(seqs[i], t0 + absl::Seconds(10 - i));
+  ASSERT_TRUE(Append(seqs[9], 0, 70, 1).ok());  // two pages to give back
+  EXPECT_EQ(mgr_->IdleSequences(t0 + absl::Seconds(4), 2), (std::vector<std::string>{"s9", "s8"}));
+  const int64_t free_before = mgr_->free_pages();
+  EXPECT_EQ(mgr_->ReleaseIdle(t0 + absl::Seconds(4), 2), 2);  // the bound
+  EXPECT_EQ(mgr_->free_pages(), free_before + 2);
+  EXPECT_EQ(mgr_->Find("s9"), nullptr);
+  EXPECT_EQ(mgr_->ReleaseIdle(t0 + absl::Seconds(4), 100), 1);  // s7; s6 was used at t0+4
+  EXPECT_EQ(mgr_->GetStats().sequences, 7);
+  // A touch slightly out of order (callers read the clock before their lock) still
+  // lands in order: s0, used at t0+5.5, goes before the sequences used later.
+  mgr_->Touch(seqs[5], t0 + absl::Seconds(20));
+  mgr_->Touch(seqs[0], t0 + absl::Seconds(5) + absl::Milliseconds(500));
+  EXPECT_EQ(mgr_->IdleSequences(t0 + absl::Seconds(7)), (std::vector<std::string>{"s6", "s0", "s4"}));
+  // A fork goes next to its source (same last use).
+  auto f = mgr_->Fork("s6", "f6");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(mgr_->IdleSequences(t0 + absl::Seconds(5)), (std::vector<std::string>{"s6", "f6"}));
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+  EXPECT_EQ(mgr_->ReleaseIdle(t0 + absl::Hours(1), 1000), 8);
+  EXPECT_EQ(mgr_->GetStats().sequences, 0);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(ManagerTest, SerialsAndSharedPages) {
+  Sequence* a = Create("a");
+  const uint64_t first = mgr_->Serial(a);
+  ASSERT_TRUE(Append(a, 0, 130, 1).ok());
+  for (int l = 1; l < kLayers; ++l) ASSERT_TRUE(Append(a, l, 130, 1).ok());
+  EXPECT_EQ(mgr_->SharedPagesOf(a), 0);
+  auto f = mgr_->Fork("a", "f");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(mgr_->SharedPagesOf(a), 2);
+  EXPECT_EQ(mgr_->SharedPagesOf(*f), 2);
+  EXPECT_NE(mgr_->Serial(*f), first);
+  ASSERT_TRUE(mgr_->Release("a").ok());
+  EXPECT_EQ(mgr_->SharedPagesOf(*f), 0);
+  EXPECT_NE(mgr_->Serial(Create("a")), first);  // same id, another sequence
+}
+
 TEST_F(ManagerTest, BookkeepingWithoutStorage) {
   KvCacheManager bare(config_, nullptr);
   auto a = bare.CreateSequence("a");
