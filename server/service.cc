@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/params.h"
+#include "server/auth.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {
@@ -34,13 +35,6 @@ grpc::Status Unavailable() {
 // Wraps an engine/validation error with the RPC's context.
 grpc::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), absl::StrCat(prefix, s.message()));
-}
-
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
 }
 
 absl::Status CheckIdField(absl::string_view field, absl::string_view id, bool allow_empty) {
@@ -557,20 +551,13 @@ void DecodeServiceImpl::UploadLoop() {
 
 grpc::Status DecodeServiceImpl::CheckAuth(const grpc::CallbackServerContext* ctx) const {
   if (options_.auth_token.empty()) return grpc::Status::OK;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "metadata authorization: missing; expected 'Bearer <token>'");
-  }
-  const absl::string_view value(it->second.data(), it->second.size());
-  const absl::string_view prefix = "Bearer ";
-  if (!absl::StartsWith(value, prefix) ||
-      !ConstantTimeEquals(value.substr(prefix.size()), options_.auth_token)) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "metadata authorization: wrong token; expected 'Bearer <token>' with the server's token");
-  }
-  return grpc::Status::OK;
+  grpc::Status st = CheckBearer(ctx->client_metadata(), options_.auth_token);
+  if (!st.ok()) RecordAuthFailure(v1::DecodeService::service_full_name(), ctx->peer(), st);
+  return st;
+}
+
+uint64_t DecodeServiceImpl::UndeliveredResults() const {
+  return undelivered_results_.load(std::memory_order_relaxed);
 }
 
 ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const v1::GetInfoRequest*,

@@ -66,6 +66,9 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Decode streams not yet finished.
   int OpenStreams() const;
+  // Step results that the engine produced but no client received (the stream had gone
+  // away or its write failed); read by the drain summary.
+  uint64_t UndeliveredResults() const;
   // Cancels Decode streams whose client has not taken a response for `stall` (a write
   // pending that long); returns how many. Their unstarted steps are dropped, as when a
   // client goes away.
@@ -82,7 +85,8 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   const ServiceOptions& options() const { return options_; }
   engine::Engine* engine() const { return engine_; }
 
-  // OK, or UNAUTHENTICATED when a token is configured and the call lacks it.
+  // OK, or UNAUTHENTICATED (counted and logged, see server/auth.h) when a token is
+  // configured and the call lacks it.
   grpc::Status CheckAuth(const grpc::CallbackServerContext* ctx) const;
 
  private:
@@ -103,6 +107,7 @@ class DecodeServiceImpl final : public latentd::v1::DecodeService::CallbackServi
   Shape shape_;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> streams_opened_{0};
+  std::atomic<uint64_t> undelivered_results_{0};  // see UndeliveredResults()
 
   // Touched once per stream (open, close, drain), never per step.
   mutable absl::Mutex streams_mu_;
