@@ -96,9 +96,6 @@ struct DecodeStep {
   int layer = 0;
   int s_q = 1;
   bool causal = false;
-  // Fairness key of the submitter (the server passes its stream): the scheduler shares
-  // each launch between flows.
-  uint64_t flow = 0;
   absl::string_view q;   // [s_q, h_q, 576] raw values in the model dtype
   absl::string_view kv;  // [s_q, h_kv, 576] the new tokens' latent rows
   char* out = nullptr;   // [s_q, h_q, 512] model dtype, written on success

@@ -1,24 +1,31 @@
 // latentd: the MLA decode attention daemon. Parses flags, builds the engine, serves
 // latentd.v1.DecodeService (plus health and reflection) and drains cleanly on
 // SIGTERM/SIGINT: health NOT_SERVING, new work UNAVAILABLE, accepted steps finish.
+// Exit codes: 0 clean drain; 1 drain timed out or accepted steps went undelivered;
+// 2 bad flags or start-up failure; 128 + signal (130, 143) on a second signal mid-drain.
 #include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -26,6 +33,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/auth.h"
 #include "server/service.h"
 #include "server/version.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -48,6 +56,9 @@ ABSL_FLAG(double, kv_memory_fraction, 0.0,
 ABSL_FLAG(int, max_batch_size, 64, "most steps per attention launch");
 ABSL_FLAG(int, max_batch_tokens, 1024, "most query rows (sum of s_q) per launch");
 ABSL_FLAG(int, batch_window_us, 50, "how long an idle engine waits to fill a batch");
+ABSL_FLAG(int64_t, max_sequences, 65536,
+          "live sequences (forks included); CreateSequence and ForkSequence beyond fail RESOURCE_EXHAUSTED "
+          "(0: no limit)");
 ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
@@ -76,7 +87,13 @@ ABSL_FLAG(int64_t, stats_interval_s, 60, "log engine stats this often while busy
 ABSL_FLAG(int64_t, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long accepted steps may take to finish");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key serves TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
-ABSL_FLAG(std::string, auth_token, "", "when set, every RPC needs metadata 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, auth_token, "",
+          "when set, every RPC but health needs metadata 'authorization: Bearer <token>'; visible in ps to "
+          "every local user, so prefer --auth_token_file or $LATENTD_AUTH_TOKEN (give only one of the three)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "read the token from this file (trailing newline stripped; must not be group/world-readable)");
+ABSL_FLAG(int, max_health_watchers, 64,
+          "most open grpc.health.v1 Watch streams; more fail RESOURCE_EXHAUSTED (0: Watch always refused)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving (for --listen host:0)");
 
@@ -95,6 +112,14 @@ bool ReadFile(const std::string& path, std::string* out) {
   ss << f.rdbuf();
   *out = ss.str();
   return true;
+}
+
+// Whether the host part of --listen only accepts local peers (a token sent to it in
+// clear text does not leave the machine).
+bool IsLoopback(absl::string_view host) {
+  if (absl::StartsWith(host, "unix:") || absl::StartsWith(host, "unix-abstract:")) return true;
+  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
 bool GpuDevicePresent() {
@@ -160,6 +185,8 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   o->max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   o->max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o->max_queue = absl::GetFlag(FLAGS_max_queue);
+  o->max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  if (o->max_sequences < 0) return "--max_sequences: expected >= 0 (0: no limit)";
   o->batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
   o->max_s_q = absl::GetFlag(FLAGS_max_s_q);
   o->cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
@@ -188,6 +215,18 @@ int Run() {
   const std::string cert_path = absl::GetFlag(FLAGS_tls_cert);
   const std::string key_path = absl::GetFlag(FLAGS_tls_key);
   if (cert_path.empty() != key_path.empty()) return Fail("--tls_cert and --tls_key: expected both or neither");
+  const int max_health_watchers = absl::GetFlag(FLAGS_max_health_watchers);
+  if (max_health_watchers < 0) return Fail("--max_health_watchers: expected >= 0");
+  TokenSources token_sources;
+  token_sources.file_path = absl::GetFlag(FLAGS_auth_token_file);
+  if (const char* env = std::getenv(kAuthTokenEnv); env != nullptr) token_sources.env = env;
+  token_sources.flag = absl::GetFlag(FLAGS_auth_token);
+  auto token = ResolveAuthToken(token_sources);
+  if (!token.ok()) return Fail(std::string(token.status().message()));
+  if (token->source == "--auth_token") {
+    spdlog::warn("--auth_token: the token is visible in ps to every local user; prefer --auth_token_file or ${}",
+                 kAuthTokenEnv);
+  }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!cert_path.empty()) {
     grpc::SslServerCredentialsOptions ssl;
@@ -204,7 +243,7 @@ int Run() {
   const engine::EngineInfo info = engine->Info();
 
   ServiceOptions so;
-  so.auth_token = absl::GetFlag(FLAGS_auth_token);
+  so.auth_token = token->token;
   so.max_s_q = eo.max_s_q;
   so.max_message_bytes = max_message_bytes;
   so.max_stream_inflight = absl::GetFlag(FLAGS_max_stream_inflight);
@@ -240,6 +279,11 @@ int Run() {
   builder.SetResourceQuota(quota);
   builder.SetMaxSendMessageSize(-1);
   builder.RegisterService(&service);
+  // Guards what DecodeService cannot (reflection) and bounds health Watch streams; see
+  // server/auth.h for why an interceptor and how it refuses calls.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<GateInterceptorFactory>(GateOptions{so.auth_token, max_health_watchers}));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) return Fail("--listen: cannot serve on " + listen);
   // Probes may ask for the whole server ("") or for the service by name.
@@ -255,7 +299,13 @@ int Run() {
       kVersion, address, info.backend, eo.device, info.model.num_layers, info.model.num_heads_q,
       info.model.num_heads_kv, kernels::DTypeName(info.model.dtype), info.model.softmax_scale, info.total_pages,
       static_cast<double>(info.total_pages * page_bytes) / (1 << 30), info.max_batch_size,
-      cert_path.empty() ? "off" : "on", so.auth_token.empty() ? "off" : "on");
+      cert_path.empty() ? "off" : "on", so.auth_token.empty() ? "off" : "on (" + token->source + ")");
+  if (!so.auth_token.empty() && cert_path.empty()) {
+    spdlog::warn(
+        "auth token set without TLS (--tls_cert/--tls_key): the token crosses the network in clear text unless "
+        "the listen address is loopback ({} is {})",
+        listen, IsLoopback(host) ? "loopback" : "NOT loopback");
+  }
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     // Written to a temporary name and renamed so a reader never sees a partial file.
     const std::string tmp = pf + ".tmp";
@@ -300,11 +350,11 @@ int Run() {
         spdlog::info(
             "stats: {:.0f} steps/s, {} steps, {} batches | queue wait p50/p99 {:.0f}/{:.0f} us, exec p50/p99 "
             "{:.0f}/{:.0f} us | {} sequences, pages {} used {} free | rejected: queue {} pages {} invalid {} "
-            "deadline {} cancelled {} | {} streams",
+            "deadline {} cancelled {} | {} streams | auth failures {}",
             m.steps_per_second, m.steps_completed, m.batches, m.queue_wait_us_p50, m.queue_wait_us_p99,
             m.exec_us_p50, m.exec_us_p99, m.sequences, m.pages_used, m.pages_free, m.rejected_queue_full,
             m.rejected_out_of_pages, m.rejected_invalid, m.rejected_deadline, m.dropped_cancelled,
-            service.OpenStreams());
+            service.OpenStreams(), AuthFailures());
       }
     }
   });
@@ -318,31 +368,68 @@ int Run() {
   sigwait(&signals, &sig);
 
   const absl::Time drain_start = absl::Now();
+  const engine::EngineMetrics before = engine->Metrics();
+  const uint64_t undelivered_before = service.UndeliveredResults();
   spdlog::info("{} received: draining (health NOT_SERVING, new work UNAVAILABLE)", strsignal(sig));
+  // A second signal means the operator will not wait for the drain: exit at once.
+  absl::Notification drain_over;
+  std::thread second_signal([&] {
+    pthread_setname_np(pthread_self(), "latentd-signal");
+    const timespec poll = {0, 100 * 1000 * 1000};
+    while (!drain_over.HasBeenNotified()) {
+      const int again = sigtimedwait(&signals, nullptr, &poll);
+      if (again != SIGTERM && again != SIGINT) continue;
+      spdlog::error("{} received during the drain: exiting now with code {}, accepted steps not waited for",
+                    strsignal(again), 128 + again);
+      spdlog::default_logger()->flush();
+      std::fflush(nullptr);
+      std::_Exit(128 + again);
+    }
+  });
   server->GetHealthCheckService()->SetServingStatus(false);
   service.BeginDrain();
   const absl::Duration drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   const bool drained = engine->Drain(drain_timeout);
   // Streams finish once their last results are written; give them what is left.
   const absl::Time streams_deadline = std::max(drain_start + drain_timeout, absl::Now() + absl::Seconds(2));
-  while (service.OpenStreams() > 0 && absl::Now() < streams_deadline) absl::SleepFor(absl::Milliseconds(5));
+  while (drained && service.OpenStreams() > 0 && absl::Now() < streams_deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  if (drained) {
+    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    stop_housekeeping.Notify();
+    housekeeping.join();
+  }
+  // What became of the steps accepted before the drain ended: completed steps whose
+  // result reached no client, steps dropped unlaunched because their client went away,
+  // and (on a timeout) steps still queued were not delivered.
   const engine::EngineMetrics m = engine->Metrics();
+  const uint64_t completed = m.steps_completed - before.steps_completed;
+  const uint64_t undeliverable = service.UndeliveredResults() - undelivered_before;
+  const uint64_t dropped = m.dropped_cancelled - before.dropped_cancelled;
+  const uint64_t queued = drained ? 0 : static_cast<uint64_t>(std::max<int64_t>(0, m.queued_steps));
+  const uint64_t delivered = completed > undeliverable ? completed - undeliverable : 0;
+  const uint64_t not_delivered = undeliverable + dropped + queued;
+  const int exit_code = drained && not_delivered == 0 ? 0 : 1;
+  drain_over.Notify();
+  second_signal.join();
+  const std::string summary = absl::StrCat(
+      m.steps_completed, " steps completed in total; since the signal ", delivered, " accepted steps delivered, ",
+      not_delivered, " not delivered (", undeliverable, " results whose client was gone, ", dropped,
+      " dropped unlaunched as their client went away, ", queued, " still queued); exit code ", exit_code);
   if (!drained) {
     // Steps still inside the engine reference stream buffers; stopping the server now
     // would wait on them forever.
-    spdlog::error("drain timed out after {}s with {} steps still queued; exiting without them",
-                  absl::GetFlag(FLAGS_drain_timeout_s), m.queued_steps);
+    spdlog::error("drain timed out after {}s: {}", absl::GetFlag(FLAGS_drain_timeout_s), summary);
+    spdlog::default_logger()->flush();
     std::fflush(nullptr);
-    std::_Exit(1);
+    std::_Exit(exit_code);
   }
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  stop_housekeeping.Notify();
-  housekeeping.join();
-  spdlog::info("drained in {:.3f}s: {} steps completed in total; exiting", absl::ToDoubleSeconds(absl::Now() - drain_start),
-               m.steps_completed);
+  spdlog::log(exit_code == 0 ? spdlog::level::info : spdlog::level::warn, "drained in {:.3f}s: {}",
+              absl::ToDoubleSeconds(absl::Now() - drain_start), summary);
   server.reset();
   engine.reset();
-  return 0;
+  return exit_code;
 }
 
 }  // namespace

@@ -15,12 +15,12 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 #include "kernels/params.h"
 #include "server/wire.h"
+#include "server/auth.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {
@@ -38,13 +38,6 @@ grpc::Status Unavailable() {
 // Wraps an engine/validation error with the RPC's context.
 grpc::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), absl::StrCat(prefix, s.message()));
-}
-
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
 }
 
 absl::Status CheckIdField(absl::string_view field, absl::string_view id, bool allow_empty) {
@@ -269,6 +262,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     int32_t code = 0;              // google.rpc code of the result
     std::string message;
     int64_t charged = 0;           // bytes counted against max_inflight_bytes
+    bool accepted = false;         // the engine took it (its result counts as delivered or not)
   };
 
   class ScopedRef {
@@ -301,7 +295,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const bool gone = GoneLocked();
     if (gone && !done_.empty()) {
       // Answers have nowhere to go; recycle them.
-      service_->results_undelivered_.fetch_add(done_.size(), std::memory_order_relaxed);
+      service_->results_undelivered_.fetch_add(AcceptedAmong(done_.size()), std::memory_order_relaxed);
       for (Slot* s : done_) RecycleLocked(s);
       done_.clear();
     }
@@ -377,6 +371,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       bytes += b;
       ++taken;
     }
+    write_results_ = AcceptedAmong(taken);
     grpc::Slice slice(bytes);
     uint8_t* p = const_cast<uint8_t*>(slice.begin());
     for (size_t i = 0; i < taken; ++i) {
@@ -385,7 +380,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     done_.erase(done_.begin(), done_.begin() + taken);
     write_buf_ = grpc::ByteBuffer(&slice, 1);
-    write_results_ = taken;
+  }
+
+  size_t AcceptedAmong(size_t first_n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t n = 0;
+    for (size_t i = 0; i < first_n; ++i) n += done_[i]->accepted ? 1 : 0;
+    return n;
   }
 
   void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -459,6 +459,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       slot->request_id = f.request_id;
       slot->code = 0;
+      slot->accepted = false;
       slot->message.clear();
       absl::Status st = Validate(f, read, sh);
       if (st.ok() && service_->draining()) {
@@ -514,7 +515,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     slot->cancelled = &cancelled_;
     slot->callback = this;
     slot->engine_private = nullptr;
-    return service_->engine()->Submit(slot);
+    slot->accepted = true;  // before Submit: StepDone may run before it returns
+    absl::Status st = service_->engine()->Submit(slot);
+    if (!st.ok()) slot->accepted = false;
+    return st;
   }
 
   static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
@@ -805,20 +809,9 @@ void DecodeServiceImpl::UploadLoop() {
 
 grpc::Status DecodeServiceImpl::CheckAuth(const grpc::CallbackServerContext* ctx) const {
   if (options_.auth_token.empty()) return grpc::Status::OK;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "metadata authorization: missing; expected 'Bearer <token>'");
-  }
-  const absl::string_view value(it->second.data(), it->second.size());
-  const absl::string_view prefix = "Bearer ";
-  if (!absl::StartsWith(value, prefix) ||
-      !ConstantTimeEquals(value.substr(prefix.size()), options_.auth_token)) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "metadata authorization: wrong token; expected 'Bearer <token>' with the server's token");
-  }
-  return grpc::Status::OK;
+  grpc::Status st = CheckBearer(ctx->client_metadata(), options_.auth_token);
+  if (!st.ok()) RecordAuthFailure(v1::DecodeService::service_full_name(), ctx->peer(), st);
+  return st;
 }
 
 ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const v1::GetInfoRequest*,
@@ -912,6 +905,28 @@ ServerUnaryReactor* DecodeServiceImpl::ReleaseSequence(CallbackServerContext* ct
       response->set_pages_freed(*freed);
     } else {
       st = ToGrpc(freed.status());
+    }
+  }
+  reactor->Finish(st);
+  return reactor;
+}
+
+ServerUnaryReactor* DecodeServiceImpl::GetSequence(CallbackServerContext* ctx,
+                                                   const v1::GetSequenceRequest* request,
+                                                   v1::SequenceInfo* response) {
+  // Allowed while draining: a client resyncing needs it most then.
+  ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::Status st = CheckAuth(ctx);
+  if (st.ok()) st = ToGrpc(CheckIdField("sequence_id", request->sequence_id(), false));
+  if (st.ok()) {
+    auto info = engine_->GetSequence(request->sequence_id());
+    if (info.ok()) {
+      response->set_sequence_id(info->sequence_id);
+      for (int64_t len : info->lengths) response->add_lengths(len);
+      response->set_pages(info->pages);
+      response->set_shared_pages(info->shared_pages);
+    } else {
+      st = ToGrpc(info.status());
     }
   }
   reactor->Finish(st);

@@ -50,8 +50,10 @@ struct ServiceCounters {
   int64_t open_calls = 0;    // Decode and AppendKv streams not yet done
   int64_t inflight_bytes = 0;
   int64_t upload_bytes = 0;
-  uint64_t results_delivered = 0;    // step results the client's transport took
-  uint64_t results_undelivered = 0;  // answered after the client went away or failed a write
+  // Results of steps the engine accepted: taken by the client's transport, or dropped
+  // because the client went away or a write failed.
+  uint64_t results_delivered = 0;
+  uint64_t results_undelivered = 0;
   uint64_t refused_streams = 0;      // over max_streams
   uint64_t refused_steps_inflight = 0;
   uint64_t refused_steps_bytes = 0;
@@ -74,7 +76,8 @@ class DecodeReactor;
 using DecodeServiceBase = v1::DecodeService::WithCallbackMethod_GetInfo<
     v1::DecodeService::WithCallbackMethod_CreateSequence<v1::DecodeService::WithRawCallbackMethod_AppendKv<
         v1::DecodeService::WithRawCallbackMethod_Decode<v1::DecodeService::WithCallbackMethod_ForkSequence<
-            v1::DecodeService::WithCallbackMethod_ReleaseSequence<v1::DecodeService::Service>>>>>>;
+            v1::DecodeService::WithCallbackMethod_ReleaseSequence<
+                v1::DecodeService::WithCallbackMethod_GetSequence<v1::DecodeService::Service>>>>>>>;
 
 class DecodeServiceImpl final : public DecodeServiceBase {
  public:
@@ -95,6 +98,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
                                             const v1::ReleaseSequenceRequest* request,
                                             v1::ReleaseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* request,
+                                        v1::SequenceInfo* response) override;
 
   // Refuses new work with UNAVAILABLE from now on; open Decode streams stop reading and
   // finish once every step they accepted has been answered.
@@ -111,8 +116,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   int TrimIdleStreams();
 
   ServiceCounters Counters() const;
-  // Step results that were never delivered to their client (it went away, a write
-  // failed, or the server stopped first).
+  // Results of steps the engine accepted that no client received (the stream had gone
+  // away or its write failed); read by the drain summary.
   uint64_t UndeliveredResults() const { return results_undelivered_.load(std::memory_order_relaxed); }
 
   // Fixed per-model sizes, computed once.
@@ -127,7 +132,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   const ServiceOptions& options() const { return options_; }
   engine::Engine* engine() const { return engine_; }
 
-  // OK, or UNAUTHENTICATED when a token is configured and the call lacks it.
+  // OK, or UNAUTHENTICATED (counted and logged, see server/auth.h) when a token is
+  // configured and the call lacks it.
   grpc::Status CheckAuth(const grpc::CallbackServerContext* ctx) const;
 
  private:

@@ -146,6 +146,17 @@ absl::StatusOr<int64_t> Client::ReleaseSequence(absl::string_view sequence_id) {
   return resp.pages_freed();
 }
 
+absl::StatusOr<v1::SequenceInfo> Client::GetSequence(absl::string_view sequence_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::GetSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  v1::SequenceInfo resp;
+  grpc::Status st = stub_->GetSequence(&ctx, req, &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return resp;
+}
+
 absl::StatusOr<std::string> Client::Health() {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;

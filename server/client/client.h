@@ -65,6 +65,8 @@ class Client {
                                                       const std::vector<absl::string_view>& kv_per_layer);
   absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id = "");
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id);
+  // Lengths per layer and pages held: to resync after a stream broke part-way.
+  absl::StatusOr<v1::SequenceInfo> GetSequence(absl::string_view sequence_id);
   // grpc.health.v1 status of the whole server: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health();
 

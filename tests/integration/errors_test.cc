@@ -103,6 +103,92 @@ TEST_F(ErrorsTest, UnaryAndAppendKvErrorsNameTheField) {
   for (const auto& [id, r] : *results) EXPECT_TRUE(tracker_->Check(r).ok()) << tracker_->Check(r);
 }
 
+TEST_F(ErrorsTest, AppendKvNeverEchoesAClientsIdBytes) {
+  StartDaemon({"--num_layers=1"});
+  client::Client& c = *client_;
+  auto good = tracker_->NewSequence({3}, "echo-seq");
+  ASSERT_TRUE(good.ok()) << good.status();
+  const std::string row = tracker_->RandomRows(1);
+  // Later messages with control characters, an 8 KiB id, and a well-formed other id.
+  const std::string evil_ids[] = {std::string("ab\r\nx-injected: 1\x01\x7f", 19), std::string(8192, 'z'),
+                                  "other-seq"};
+  for (const std::string& evil : evil_ids) {
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    v1::AppendKvResponse resp;
+    auto w = c.stub()->AppendKv(&ctx, &resp);
+    v1::AppendKvRequest req;
+    req.set_sequence_id(*good);
+    req.set_kv(row);
+    w->Write(req);
+    req.set_sequence_id(evil);
+    w->Write(req);
+    w->WritesDone();
+    const grpc::Status st = w->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "sequence_id")) << st.error_message();
+    EXPECT_FALSE(absl::StrContains(st.error_message(), evil)) << "the id was echoed: " << st.error_message();
+    EXPECT_LT(st.error_message().size(), 400u) << st.error_message();
+    for (char ch : st.error_message()) EXPECT_TRUE(absl::ascii_isprint(static_cast<unsigned char>(ch)));
+    tracker_->Appended(*good, 0, row);
+  }
+}
+
+TEST_F(ErrorsTest, GetSequenceResyncsAfterABrokenStream) {
+  StartDaemon({"--num_layers=2", "--max_steps_per_message=8"});
+  client::Client& c = *client_;
+  auto seq = tracker_->NewSequence({100, 30});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto info = c.GetSequence(*seq);
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->lengths_size(), 2);
+  EXPECT_EQ(info->lengths(0), 100);
+  EXPECT_EQ(info->lengths(1), 30);
+  EXPECT_EQ(info->pages(), 2);  // 100 rows of the longest layer: two 64-token pages
+  // A stream whose first message runs and whose second is refused whole: the client
+  // learns from GetSequence which rows the first one appended.
+  auto stream = c.OpenDecodeStream();
+  v1::DecodeRequest first;
+  *first.add_steps() = tracker_->Step(*seq, 0);
+  *first.add_steps() = tracker_->Step(*seq, 1, 2);
+  ASSERT_TRUE(stream->Write(first));
+  v1::DecodeRequest too_many;
+  for (int i = 0; i < 9; ++i) too_many.add_steps()->set_sequence_id(*seq);
+  stream->Write(too_many);
+  stream->WritesDone();
+  v1::DecodeResponse resp;
+  int ok = 0;
+  while (stream->Read(&resp)) {
+    for (const auto& r : resp.results()) {
+      EXPECT_TRUE(tracker_->Check(r).ok()) << tracker_->Check(r);
+      ++ok;
+    }
+  }
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "--max_steps_per_message")) << st.error_message();
+  EXPECT_EQ(ok, 2) << "the accepted steps' results are delivered before the stream ends";
+  info = c.GetSequence(*seq);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->lengths(0), 101);
+  EXPECT_EQ(info->lengths(1), 32);
+  EXPECT_ERROR(c.GetSequence("no-such-seq").status(), StatusCode::kNotFound, "sequence_id");
+  EXPECT_ERROR(c.GetSequence("bad id").status(), StatusCode::kInvalidArgument, "sequence_id");
+}
+
+TEST_F(ErrorsTest, LiveSequencesAreBounded) {
+  StartDaemon({"--num_layers=1", "--max_sequences=3"});
+  client::Client& c = *client_;
+  auto a = c.CreateSequence();
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(c.CreateSequence().ok());
+  ASSERT_TRUE(c.ForkSequence(*a).ok());
+  EXPECT_ERROR(c.CreateSequence().status(), StatusCode::kResourceExhausted, "max_sequences");
+  EXPECT_ERROR(c.ForkSequence(*a).status(), StatusCode::kResourceExhausted, "max_sequences");
+  ASSERT_TRUE(c.ReleaseSequence(*a).ok());
+  EXPECT_TRUE(c.CreateSequence().ok());
+}
+
 TEST_F(ErrorsTest, BadStepsFailAloneAndTheStreamGoesOn) {
   StartDaemon({"--num_layers=2", "--max_s_q=4"});
   auto seq = tracker_->NewSequence({100, 3});

@@ -184,7 +184,7 @@ TEST(StressTest, ChurnBesideIdleStreamsAndDrain) {
 }
 
 TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
-  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=256", "--max_stream_inflight=100",
+  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=512", "--max_stream_inflight=100",
                  "--max_steps_per_message=500"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
@@ -238,8 +238,7 @@ TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
 }
 
 TEST(StressTest, StreamMemoryShrinksAfterABurst) {
-  Daemon daemon({"--num_layers=1", "--num_heads_q=64", "--kv_pages=256", "--max_stream_inflight=1024",
-                 "--stream_stall_timeout_s=1"});
+  Daemon daemon({"--num_layers=1", "--num_heads_q=64", "--kv_pages=256", "--max_stream_inflight=1024"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
   ASSERT_TRUE(c.ok()) << c.status();
@@ -277,8 +276,8 @@ TEST(StressTest, StreamMemoryShrinksAfterABurst) {
   }
   ASSERT_EQ(got, expected);
   const int64_t rss_peak = RssBytes(daemon.pid());
-  // The stream stays open and idle: housekeeping trims it.
-  absl::SleepFor(absl::Seconds(2));
+  // The stream stays open and idle: housekeeping (once a second) trims it.
+  absl::SleepFor(absl::Seconds(3));
   const int64_t rss1 = RssBytes(daemon.pid());
   std::printf("RSS %.1f MiB before a 1000-step burst, %.1f MiB after it, %.1f MiB once idle\n",
               double(rss0) / kMiB, double(rss_peak) / kMiB, double(rss1) / kMiB);

@@ -158,6 +158,11 @@ class LatentdClient:
         req = latentd_pb2.ReleaseSequenceRequest(sequence_id=sequence_id)
         return self._call(self.stub.ReleaseSequence, req).pages_freed
 
+    def get_sequence(self, sequence_id):
+        """Lengths per layer and pages held (SequenceInfo): to resync after a broken stream."""
+        req = latentd_pb2.GetSequenceRequest(sequence_id=sequence_id)
+        return self._call(self.stub.GetSequence, req)
+
     def append_kv(self, sequence_id, rows_by_layer):
         """Uploads prefill rows: {layer: array [n, h_kv, 576]} (float or raw bytes).
 
