@@ -65,8 +65,8 @@ ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "largest request message accepted; larger ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_stream_inflight, 1024,
-          "unanswered steps per Decode stream; the server stops reading the stream there, and steps of a "
-          "message beyond it fail RESOURCE_EXHAUSTED");
+          "steps one Decode stream may have in the engine at once; a message's steps beyond it wait in the "
+          "stream, which is not read again until they are in");
 ABSL_FLAG(int, max_steps_per_message, 1024,
           "most steps in one DecodeRequest; a larger message ends its stream RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_inflight_bytes, int64_t{2} << 30,

@@ -185,11 +185,17 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     ScopedRef ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
     Slot* slot = static_cast<Slot*>(step);
     if (!status.ok()) SetError(slot, status);
-    Plan p;
+    bool submit = false;
     {
       absl::MutexLock l(&mu_);
       --inflight_;
       done_.push_back(slot);
+      submit = ClaimSubmitLocked();
+    }
+    if (submit) SubmitDeferred();
+    Plan p;
+    {
+      absl::MutexLock l(&mu_);
       p = PlanLocked();
     }
     Act(p);
@@ -241,7 +247,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::vector<std::unique_ptr<Slot>> spare;
     {
       absl::MutexLock l(&mu_);
-      const bool idle = inflight_ == 0 && done_.empty() && !processing_;
+      const bool idle = inflight_ == 0 && done_.empty() && deferred_.empty() && !processing_;
       const bool was_idle = idle_since_trim_;
       idle_since_trim_ = idle;
       const size_t keep = static_cast<size_t>(service_->options().idle_stream_slots);
@@ -293,6 +299,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Plan p;
     if (finished_) return p;
     const bool gone = GoneLocked();
+    if (gone && !submitting_ && !deferred_.empty()) {
+      // Never submitted: nothing to answer.
+      for (Slot* s : deferred_) RecycleLocked(s);
+      deferred_.clear();
+    }
     if (gone && !done_.empty()) {
       // Answers have nowhere to go; recycle them.
       service_->results_undelivered_.fetch_add(AcceptedAmong(done_.size()), std::memory_order_relaxed);
@@ -305,14 +316,15 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       write_started_ = absl::Now();
       p.write = true;
     }
-    const int64_t open = inflight_ + static_cast<int64_t>(done_.size());
-    if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ && fatal_.ok() &&
+    const int64_t open = inflight_ + static_cast<int64_t>(done_.size() + deferred_.size());
+    if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ && fatal_.ok() && deferred_.empty() &&
         open < service_->options().max_stream_inflight) {
       reading_ = true;
       p.read = true;
     }
     if (p.read || p.write) ++starting_;
-    const bool idle = inflight_ == 0 && !writing_ && done_.empty() && !processing_;
+    const bool idle =
+        inflight_ == 0 && !writing_ && done_.empty() && deferred_.empty() && !submitting_ && !processing_;
     const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
     if (idle && over && starting_ == 0 && !cancelling_) {
       finished_ = true;
@@ -406,8 +418,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   // Reads one DecodeRequest: counts its steps first (nothing is copied for a message
-  // over max_steps_per_message), then reads each step into a slot and submits it, or
-  // answers it at once with its error.
+  // over max_steps_per_message), then reads each step into a slot. A step that fails
+  // validation is answered at once; valid ones queue in deferred_, from which at most
+  // max_stream_inflight are in the engine at a time.
   void Process() {
     const ServiceOptions& o = service_->options();
     const DecodeServiceImpl::Shape& sh = service_->shape();
@@ -423,10 +436,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       count = *n;
     }
-    int64_t room = 0;
     {
       absl::MutexLock l(&mu_);
-      room = o.max_stream_inflight - (inflight_ + static_cast<int64_t>(done_.size()));
       batch_.clear();
       for (int i = 0; i < count; ++i) {
         if (free_.empty()) {
@@ -436,15 +447,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           free_.pop_back();
         }
       }
-      inflight_ += count;  // counted before Submit: StepDone may run before Submit returns
     }
     wire::StepBounds bounds;
     bounds.max_q_bytes = sh.max_s_q * sh.q_row_bytes;
     bounds.max_kv_bytes = sh.max_s_q * sh.kv_row_bytes;
     grpc::ProtoBufferReader reader(&read_buf_);
     wire::DecodeStepReader steps(&reader);
-    int read = 0, accepted = 0;
-    answered_.clear();
+    int read = 0;
     for (; read < count; ++read) {
       Slot* slot = batch_[read];
       wire::StepFields f;
@@ -462,35 +471,29 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->accepted = false;
       slot->message.clear();
       absl::Status st = Validate(f, read, sh);
-      if (st.ok() && service_->draining()) {
-        st = absl::UnavailableError("server is shutting down; step not accepted");
-      }
-      if (st.ok() && read >= room) {
-        service_->refused_steps_inflight_.fetch_add(1, std::memory_order_relaxed);
-        st = absl::ResourceExhaustedError(absl::StrCat(
-            "steps[", read, "]: this stream already has ", o.max_stream_inflight,
-            " steps unanswered (--max_stream_inflight); wait for results before sending more"));
-      }
-      if (st.ok()) st = Submit(slot, f, sh);
-      if (st.ok()) {
-        ++accepted;
-      } else {
-        SetError(slot, st);
-        answered_.push_back(slot);
-      }
+      if (st.ok()) st = Prepare(slot, f, sh);
+      slot->code = static_cast<int32_t>(st.code());
+      if (!st.ok()) SetError(slot, st);
     }
-    absl::MutexLock l(&mu_);
-    inflight_ -= count - accepted;
-    for (Slot* s : answered_) {
-      if (s->charged > 0) service_->ReleaseInflight(s->charged);
-      s->charged = 0;
-      done_.push_back(s);
+    bool submit = false;
+    {
+      absl::MutexLock l(&mu_);
+      for (int i = 0; i < read; ++i) {
+        Slot* s = batch_[i];
+        if (s->code == 0) {
+          deferred_.push_back(s);
+        } else {
+          done_.push_back(s);
+        }
+      }
+      for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
+      submit = ClaimSubmitLocked();
     }
-    for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
-    answered_.clear();
+    if (submit) SubmitDeferred();
   }
 
-  absl::Status Submit(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
+  // Charges the step's buffers against max_inflight_bytes and fills the engine's fields.
+  absl::Status Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
     const int s_q = static_cast<int>(f.q_bytes / sh.q_row_bytes);
     const int64_t bytes = f.q_bytes + f.kv_bytes + s_q * (sh.out_row_bytes + sh.lse_row_bytes);
     if (!service_->ChargeInflight(bytes)) {
@@ -515,10 +518,45 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     slot->cancelled = &cancelled_;
     slot->callback = this;
     slot->engine_private = nullptr;
-    slot->accepted = true;  // before Submit: StepDone may run before it returns
-    absl::Status st = service_->engine()->Submit(slot);
-    if (!st.ok()) slot->accepted = false;
-    return st;
+    return absl::OkStatus();
+  }
+
+  // One thread at a time submits deferred steps, in order (steps of one sequence and
+  // layer must reach the engine in the order sent). True if the caller is that thread.
+  bool ClaimSubmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (submitting_ || deferred_.empty() || inflight_ >= service_->options().max_stream_inflight) return false;
+    submitting_ = true;
+    return true;
+  }
+
+  // Hands deferred steps to the engine while the stream has room; refused ones are
+  // answered with the engine's error. Never blocks (Engine::Submit does not).
+  void SubmitDeferred() {
+    const int64_t limit = service_->options().max_stream_inflight;
+    for (;;) {
+      Slot* s = nullptr;
+      {
+        absl::MutexLock l(&mu_);
+        if (deferred_.empty() || inflight_ >= limit || GoneLocked()) {
+          submitting_ = false;
+          return;
+        }
+        s = deferred_.front();
+        deferred_.pop_front();
+        ++inflight_;  // before Submit: StepDone may run before Submit returns
+      }
+      s->accepted = true;
+      absl::Status st = service_->engine()->Submit(s);
+      if (!st.ok()) {
+        s->accepted = false;
+        SetError(s, st);
+        absl::MutexLock l(&mu_);
+        --inflight_;
+        if (s->charged > 0) service_->ReleaseInflight(s->charged);
+        s->charged = 0;
+        done_.push_back(s);
+      }
+    }
   }
 
   static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
@@ -551,8 +589,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   ~DecodeReactor() override {
-    // Every slot is in free_ or done_ by now (nothing in flight once Finish was decided).
+    // Every slot is in free_, done_ or deferred_ by now (nothing in flight once Finish
+    // was decided).
     for (Slot* s : free_) delete s;
+    for (Slot* s : deferred_) {
+      if (s->charged > 0) service_->ReleaseInflight(s->charged);
+      delete s;
+    }
     for (Slot* s : done_) {
       if (s->charged > 0) service_->ReleaseInflight(s->charged);
       delete s;
@@ -568,12 +611,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // The read side is touched only between StartRead and the end of OnReadDone.
   grpc::ByteBuffer read_buf_;
-  std::vector<Slot*> batch_;     // slots taken for the message being read
-  std::vector<Slot*> answered_;  // its steps answered at once (errors)
+  std::vector<Slot*> batch_;  // slots taken for the message being read
 
   absl::Mutex mu_;
   std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);  // owned; spare slots
   std::vector<Slot*> done_ ABSL_GUARDED_BY(mu_);  // owned; answered, waiting for a write
+  std::deque<Slot*> deferred_ ABSL_GUARDED_BY(mu_);  // owned; valid, not yet given to the engine
+  bool submitting_ ABSL_GUARDED_BY(mu_) = false;     // a thread is in SubmitDeferred
   // The one outstanding write; filled under mu_, read by gRPC until OnWriteDone.
   grpc::ByteBuffer write_buf_;
   size_t write_results_ ABSL_GUARDED_BY(mu_) = 0;
@@ -782,7 +826,6 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   c.results_delivered = results_delivered_.load(std::memory_order_relaxed);
   c.results_undelivered = results_undelivered_.load(std::memory_order_relaxed);
   c.refused_streams = refused_streams_.load(std::memory_order_relaxed);
-  c.refused_steps_inflight = refused_steps_inflight_.load(std::memory_order_relaxed);
   c.refused_steps_bytes = refused_steps_bytes_.load(std::memory_order_relaxed);
   c.refused_messages = refused_messages_.load(std::memory_order_relaxed);
   c.refused_uploads = refused_uploads_.load(std::memory_order_relaxed);

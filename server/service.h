@@ -28,8 +28,9 @@ struct ServiceOptions {
   int64_t max_message_bytes = 0;   // advertised in ServerInfo
   // Steps one DecodeRequest may hold; counted before any step is copied.
   int max_steps_per_message = 1024;
-  // Steps one Decode stream may have unanswered (accepted, or answered and not yet
-  // written). Steps of a message beyond it fail RESOURCE_EXHAUSTED.
+  // Steps one Decode stream may have in the engine at once. A message's steps beyond it
+  // wait in the stream (at most max_steps_per_message of them), and the stream is not
+  // read again until they have all gone in: flow control then holds the client back.
   int max_stream_inflight = 1024;
   // Step buffers (inputs and results) held for all streams together; steps beyond it
   // fail RESOURCE_EXHAUSTED.
@@ -55,7 +56,6 @@ struct ServiceCounters {
   uint64_t results_delivered = 0;
   uint64_t results_undelivered = 0;
   uint64_t refused_streams = 0;      // over max_streams
-  uint64_t refused_steps_inflight = 0;
   uint64_t refused_steps_bytes = 0;
   uint64_t refused_messages = 0;     // over max_steps_per_message or malformed
   uint64_t refused_uploads = 0;      // over max_upload_bytes
@@ -167,7 +167,7 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<int64_t> upload_bytes_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
-  std::atomic<uint64_t> refused_streams_{0}, refused_steps_inflight_{0}, refused_steps_bytes_{0},
+  std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},
       refused_messages_{0}, refused_uploads_{0};
 
   // Touched once per stream (open, close, drain, housekeeping), never per step.

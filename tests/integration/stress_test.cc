@@ -184,8 +184,10 @@ TEST(StressTest, ChurnBesideIdleStreamsAndDrain) {
 }
 
 TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
+  // The engine queue holds 150 steps: a stream that put a whole message's 300 steps in
+  // at once would see half of them refused.
   Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=512", "--max_stream_inflight=100",
-                 "--max_steps_per_message=500"});
+                 "--max_steps_per_message=500", "--max_queue=150"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
   ASSERT_TRUE(c.ok()) << c.status();
@@ -210,7 +212,8 @@ TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
               double(rss0) / kMiB, double(rss1) / kMiB);
   EXPECT_LT(rss1 - rss0, 64 * kMiB);
 
-  // 300 valid steps in one message with room for 100: 100 run, 200 are refused by name.
+  // 300 valid steps in one message with room for 100: they go into the engine 100 at a
+  // time, and all of them run.
   v1::DecodeRequest req;
   std::vector<std::string> seqs;
   for (int i = 0; i < 300; ++i) {
@@ -221,19 +224,15 @@ TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
   RawOutcome some = RawDecode(c->get(), req.SerializeAsString());
   EXPECT_TRUE(some.status.ok()) << some.status.error_message();
   ASSERT_EQ(some.results.size(), 300u);
-  int ok = 0, refused = 0;
+  int ok = 0;
   for (const auto& r : some.results) {
+    EXPECT_EQ(r.code(), 0) << r.message();
     if (r.code() == 0) {
       EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
       ++ok;
-    } else {
-      EXPECT_EQ(r.code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED)) << r.message();
-      EXPECT_TRUE(absl::StrContains(r.message(), "--max_stream_inflight")) << r.message();
-      ++refused;
     }
   }
-  EXPECT_EQ(ok, 100);
-  EXPECT_EQ(refused, 200);
+  EXPECT_EQ(ok, 300);
   ASSERT_TRUE(daemon.Running()) << daemon.Log();
 }
 
