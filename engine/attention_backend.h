@@ -44,6 +44,10 @@ class AttentionBackend {
   virtual void Launch(Batch& batch) = 0;
   // Phase 3: wait for the batch, write each OK entry's out and lse into its step.
   virtual void Finish(Batch& batch) = 0;
+  // True when Launch computes the batch before returning (the CPU backend): the
+  // scheduler then finishes it at once instead of after the next batch's launch, which
+  // only pays when the launch is asynchronous.
+  virtual bool SynchronousLaunch() const { return false; }
 };
 
 // kCpu always works; kCuda fails without a device or without CUDA support built in;

@@ -31,6 +31,7 @@ class CpuBackend final : public AttentionBackend {
   }
 
   std::string Name() const override { return "cpu"; }
+  bool SynchronousLaunch() const override { return true; }
   kv::KvStorage* storage() override { return storage_.get(); }
   const kv::KvCacheConfig& kv_config() const override { return config_; }
 

@@ -449,6 +449,10 @@ class EngineImpl final : public Engine {
       }
       if (inflight != nullptr) Finish(*inflight);
       inflight = launched ? &batch : nullptr;
+      if (inflight != nullptr && backend_->SynchronousLaunch()) {
+        Finish(*inflight);  // already computed: holding it back would only add latency
+        inflight = nullptr;
+      }
     }
     // Shutdown: nothing is left queued (the loop drained it), so nothing is lost.
   }

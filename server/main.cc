@@ -53,7 +53,9 @@ ABSL_FLAG(int64_t, kv_bytes, 0, "KV pool size in bytes (used when --kv_pages is 
 ABSL_FLAG(double, kv_memory_fraction, 0.0,
           "KV pool as a fraction of free GPU memory (CUDA) or of RAM (CPU), used when the two above are 0; "
           "with none of the three: 0.8 of free GPU memory on CUDA, 1 GiB on CPU");
-ABSL_FLAG(int, max_batch_size, 64, "most steps per attention launch");
+ABSL_FLAG(int, max_batch_size, 0,
+          "most steps per attention launch (0: 64 on CUDA; on the CPU backend, 2 per CPU thread, since its "
+          "batches gain little from size and each step waits for its whole batch)");
 ABSL_FLAG(int, max_batch_tokens, 1024, "most query rows (sum of s_q) per launch");
 ABSL_FLAG(int, batch_window_us, 50, "how long an idle engine waits to fill a batch");
 ABSL_FLAG(int64_t, max_sequences, 65536,
@@ -183,6 +185,14 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
     }
   }
   o->max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  if (o->max_batch_size == 0) {
+    const bool gpu = o->backend == engine::BackendKind::kCuda ||
+                     (o->backend == engine::BackendKind::kAuto && GpuDevicePresent());
+    const int threads = absl::GetFlag(FLAGS_cpu_threads) > 0
+                            ? absl::GetFlag(FLAGS_cpu_threads)
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    o->max_batch_size = gpu ? 64 : 2 * threads;
+  }
   o->max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o->max_queue = absl::GetFlag(FLAGS_max_queue);
   o->max_sequences = absl::GetFlag(FLAGS_max_sequences);

@@ -244,7 +244,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Frees spare slots when nothing has been in flight since the previous call, so a
   // stream's memory shrinks back after a burst. The caller holds a reference.
   int TrimIfIdle() {
-    std::vector<std::unique_ptr<Slot>> spare;
+    std::vector<Slot*> spare;
     {
       absl::MutexLock l(&mu_);
       const bool idle = inflight_ == 0 && done_.empty() && deferred_.empty() && !processing_;
@@ -252,11 +252,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       idle_since_trim_ = idle;
       const size_t keep = static_cast<size_t>(service_->options().idle_stream_slots);
       if (!idle || !was_idle || free_.size() <= keep) return 0;
-      for (size_t i = keep; i < free_.size(); ++i) spare.emplace_back(free_[i]);
+      spare.assign(free_.begin() + static_cast<std::ptrdiff_t>(keep), free_.end());
       free_.resize(keep);
       batch_.shrink_to_fit();
     }
-    return static_cast<int>(spare.size());  // deleted here, outside mu_
+    for (Slot* s : spare) DeleteSlot(s);  // outside mu_
+    return static_cast<int>(spare.size());
   }
 
  private:
@@ -267,7 +268,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::string out_buf, lse_buf;  // results, written by the engine in place
     int32_t code = 0;              // google.rpc code of the result
     std::string message;
-    int64_t charged = 0;           // bytes counted against max_inflight_bytes
+    // Bytes counted against max_inflight_bytes: what the buffers hold, spare capacity
+    // included, until the slot is deleted.
+    int64_t charged = 0;
     bool accepted = false;         // the engine took it (its result counts as delivered or not)
   };
 
@@ -400,10 +403,32 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return n;
   }
 
-  void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { free_.push_back(s); }
+
+  static int64_t HeldBytes(const Slot* s) {
+    return static_cast<int64_t>(s->q_buf.capacity() + s->kv_buf.capacity() + s->out_buf.capacity() +
+                                s->lse_buf.capacity() + s->sequence_id.capacity() + s->message.capacity());
+  }
+
+  // Brings the slot's charge up to what its buffers hold plus `extra` bytes they are
+  // about to grow by. Over --max_inflight_bytes, gives the inputs just read back (so
+  // nothing stays held uncharged) and returns false.
+  bool ChargeSlot(Slot* s, int64_t extra) {
+    const int64_t want = HeldBytes(s) + extra;
+    if (want <= s->charged) return true;
+    if (service_->ChargeInflight(want - s->charged)) {
+      s->charged = want;
+      return true;
+    }
+    std::string().swap(s->q_buf);
+    std::string().swap(s->kv_buf);
+    service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+
+  void DeleteSlot(Slot* s) {
     if (s->charged > 0) service_->ReleaseInflight(s->charged);
-    s->charged = 0;
-    free_.push_back(s);
+    delete s;
   }
 
   static void SetError(Slot* s, const absl::Status& status) {
@@ -471,7 +496,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->accepted = false;
       slot->message.clear();
       absl::Status st = Validate(f, read, sh);
-      if (st.ok()) st = Prepare(slot, f, sh);
+      int64_t extra = 0;  // the results' buffers, sized in Prepare
+      if (st.ok()) {
+        const int64_t s_q = f.q_bytes / sh.q_row_bytes;
+        extra = std::max<int64_t>(0, s_q * sh.out_row_bytes - static_cast<int64_t>(slot->out_buf.capacity())) +
+                std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity()));
+      }
+      if (!ChargeSlot(slot, extra)) {
+        st = absl::ResourceExhaustedError(
+            absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
+                         service_->options().max_inflight_bytes, "; retry after results come back"));
+      }
+      if (st.ok()) Prepare(slot, f, sh);
       slot->code = static_cast<int32_t>(st.code());
       if (!st.ok()) SetError(slot, st);
     }
@@ -492,17 +528,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (submit) SubmitDeferred();
   }
 
-  // Charges the step's buffers against max_inflight_bytes and fills the engine's fields.
-  absl::Status Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
+  // Fills the engine's fields of a valid, charged step.
+  void Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
     const int s_q = static_cast<int>(f.q_bytes / sh.q_row_bytes);
-    const int64_t bytes = f.q_bytes + f.kv_bytes + s_q * (sh.out_row_bytes + sh.lse_row_bytes);
-    if (!service_->ChargeInflight(bytes)) {
-      service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "server busy: step buffers of all streams are at --max_inflight_bytes=", service_->options().max_inflight_bytes,
-          "; retry after results come back"));
-    }
-    slot->charged = bytes;
     slot->layer = f.layer;
     slot->s_q = s_q;
     slot->causal = f.causal;
@@ -518,7 +546,6 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     slot->cancelled = &cancelled_;
     slot->callback = this;
     slot->engine_private = nullptr;
-    return absl::OkStatus();
   }
 
   // One thread at a time submits deferred steps, in order (steps of one sequence and
@@ -552,8 +579,6 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         SetError(s, st);
         absl::MutexLock l(&mu_);
         --inflight_;
-        if (s->charged > 0) service_->ReleaseInflight(s->charged);
-        s->charged = 0;
         done_.push_back(s);
       }
     }
@@ -591,15 +616,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   ~DecodeReactor() override {
     // Every slot is in free_, done_ or deferred_ by now (nothing in flight once Finish
     // was decided).
-    for (Slot* s : free_) delete s;
-    for (Slot* s : deferred_) {
-      if (s->charged > 0) service_->ReleaseInflight(s->charged);
-      delete s;
-    }
-    for (Slot* s : done_) {
-      if (s->charged > 0) service_->ReleaseInflight(s->charged);
-      delete s;
-    }
+    for (Slot* s : free_) DeleteSlot(s);
+    for (Slot* s : deferred_) DeleteSlot(s);
+    for (Slot* s : done_) DeleteSlot(s);
   }
 
   DecodeServiceImpl* const service_;

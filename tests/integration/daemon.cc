@@ -73,7 +73,11 @@ bool Daemon::Start(absl::Duration timeout) {
   std::vector<std::string> args = {"--backend=cpu", "--listen=127.0.0.1:0", "--port_file=" + port_file,
                                    "--cpu_threads=2"};
   args.insert(args.end(), flags_.begin(), flags_.end());
-  pid_ = Spawn(RunfilePath("server/latentd"), args, dir_ + "/latentd.log");
+  // LATENTD_DAEMON runs the same tests against another build of the daemon (for
+  // example an older one, to show that a test fails there).
+  const char* other = std::getenv("LATENTD_DAEMON");
+  pid_ = Spawn(other != nullptr && *other != '\0' ? std::string(other) : RunfilePath("server/latentd"), args,
+               dir_ + "/latentd.log");
   if (pid_ <= 0) return false;
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {

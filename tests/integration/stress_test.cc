@@ -187,7 +187,7 @@ TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
   // The engine queue holds 150 steps: a stream that put a whole message's 300 steps in
   // at once would see half of them refused.
   Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=512", "--max_stream_inflight=100",
-                 "--max_steps_per_message=500", "--max_queue=150"});
+                 "--max_queue=150"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
   ASSERT_TRUE(c.ok()) << c.status();
@@ -233,6 +233,42 @@ TEST(StressTest, OneMessageCannotMakeTheServerHoldMore) {
     }
   }
   EXPECT_EQ(ok, 300);
+  ASSERT_TRUE(daemon.Running()) << daemon.Log();
+}
+
+TEST(StressTest, StepBuffersAreBoundedServerWide) {
+  // 4 MiB of step buffers: about 28 steps of h_q 64 (q, kv, out and lse: ~140 KiB each).
+  Daemon daemon({"--num_layers=1", "--num_heads_q=64", "--kv_pages=256", "--max_inflight_bytes=4194304"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get(), 13);
+  std::vector<std::string> seqs;
+  v1::DecodeRequest req;
+  for (int i = 0; i < 100; ++i) {
+    auto s = tracker.NewSequence({4});
+    ASSERT_TRUE(s.ok());
+    *req.add_steps() = tracker.Step(*s, 0);
+  }
+  RawOutcome out = RawDecode(c->get(), req.SerializeAsString());
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+  ASSERT_EQ(out.results.size(), 100u);
+  int ok = 0, busy = 0;
+  for (const auto& r : out.results) {
+    if (r.code() == 0) {
+      EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+      ++ok;
+    } else {
+      EXPECT_EQ(r.code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED)) << r.message();
+      EXPECT_TRUE(absl::StrContains(r.message(), "--max_inflight_bytes")) << r.message();
+      ++busy;
+      tracker.Refused(r.request_id());
+    }
+  }
+  std::printf("%d steps ran and %d were refused under a 4 MiB step-buffer budget\n", ok, busy);
+  EXPECT_GT(ok, 10);
+  EXPECT_LT(ok, 40);
+  EXPECT_EQ(ok + busy, 100);
   ASSERT_TRUE(daemon.Running()) << daemon.Log();
 }
 
