@@ -97,18 +97,21 @@ class Flood {
   std::thread reader_, writer_;
 };
 
-// A client uploading 59 MiB AppendKv messages back to back until stopped.
+// A client uploading large AppendKv messages (256 MiB: long enough that a copy made
+// under one lock hold would stall decoding for tens of milliseconds) until stopped.
+constexpr int64_t kUploadBytes = int64_t{256} << 20;
 class Uploader {
  public:
   explicit Uploader(const Daemon& daemon) {
     client::ClientOptions o;
     o.target = daemon.target();
-    o.append_chunk_bytes = 59 << 20;  // one 59 MiB message per upload
+    o.append_chunk_bytes = kUploadBytes;  // one message per upload
+    o.max_send_bytes = kUploadBytes + (1 << 20);
     auto c = client::Client::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status();
     client_ = std::move(*c);
     const int64_t row = client_->shape().kv_row_bytes;
-    rows_.assign(static_cast<size_t>((59 << 20) / row * row), '\x02');
+    rows_.assign(static_cast<size_t>(kUploadBytes / row * row), '\x02');
     thread_ = std::thread([this] {
       while (!stop_.load()) {
         auto s = client_->CreateSequence();
@@ -176,8 +179,11 @@ TEST(FairnessTest, AFloodDoesNotStarveASteadyClient) {
 }
 
 TEST(FairnessTest, ALargeUploadDoesNotStallADecoder) {
-  Daemon daemon({"--num_layers=1", "--num_heads_q=16", "--kv_pages=4096"});
-  Daemon other({"--num_layers=1", "--num_heads_q=16", "--kv_pages=4096"});
+  // Room for one upload (3641 pages) beside the decoder's sequence.
+  const std::vector<std::string> flags = {"--num_layers=1", "--num_heads_q=16", "--kv_pages=3700",
+                                          "--max_message_bytes=272629760"};
+  Daemon daemon(flags);
+  Daemon other(flags);
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   ASSERT_TRUE(other.Start()) << other.Log();
   auto steady_client = daemon.Connect();
@@ -199,11 +205,12 @@ TEST(FairnessTest, ALargeUploadDoesNotStallADecoder) {
   const double p99_alone = Percentile(alone, 0.99), p99_control = Percentile(control, 0.99),
                p99_beside = Percentile(beside, 0.99);
   std::printf(
-      "decoder p99: %.2f ms alone, %.2f ms beside 59 MiB uploads to another daemon (%d uploads), %.2f ms beside "
-      "them on its own daemon (%d uploads); p50 %.2f / %.2f / %.2f ms\n",
+      "decoder p99: %.2f ms alone, %.2f ms beside 256 MiB uploads to another daemon (%d uploads), %.2f ms beside "
+      "them on its own daemon (%d uploads); p50 %.2f / %.2f / %.2f ms; max %.2f / %.2f / %.2f ms\n",
       p99_alone, p99_control, control_uploads, p99_beside, uploads, Percentile(alone, 0.5),
-      Percentile(control, 0.5), Percentile(beside, 0.5));
-  // Loose, as above: a KV lock held for a whole 59 MiB copy stalls the decoder for tens
+      Percentile(control, 0.5), Percentile(beside, 0.5), Percentile(alone, 1), Percentile(control, 1),
+      Percentile(beside, 1));
+  // Loose, as above: a KV lock held for a whole 256 MiB copy stalls the decoder for tens
   // of milliseconds per upload; the 2x target is measured, not asserted here.
   EXPECT_LE(p99_beside, 4 * p99_control);
 }
