@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 extern char** environ;
@@ -73,6 +74,11 @@ bool Daemon::Start(absl::Duration timeout) {
   std::vector<std::string> args = {"--backend=cpu", "--listen=127.0.0.1:0", "--port_file=" + port_file,
                                    "--cpu_threads=2"};
   args.insert(args.end(), flags_.begin(), flags_.end());
+  // LATENTD_DAEMON_FLAGS (space-separated) come last and win, e.g. --backend=cuda to run
+  // the same tests on a GPU host.
+  if (const char* extra = std::getenv("LATENTD_DAEMON_FLAGS"); extra != nullptr) {
+    for (absl::string_view f : absl::StrSplit(extra, ' ', absl::SkipEmpty())) args.emplace_back(f);
+  }
   // LATENTD_DAEMON runs the same tests against another build of the daemon (for
   // example an older one, to show that a test fails there).
   const char* other = std::getenv("LATENTD_DAEMON");
