@@ -87,17 +87,33 @@ void ReleaseRead(const void* mu) { __tsan_release(ReaderAddr(mu)); }
 
 using absl::Condition;
 
-// A condition is evaluated with the lock held, but inside the library, before the
-// wrapper's acquire: the wrapped condition acquires first, so reading guarded state in
-// it is ordered too.
+// Conditions (LockWhen, Await) are evaluated with the lock held but inside the
+// library: by the waiting thread before the wrapper's own acquire, or by whichever
+// thread is unlocking. Each condition is therefore wrapped: the waiter publishes the
+// wrapper (release on its address), and the evaluation acquires it and the mutex's
+// history before running the caller's condition and releases afterwards, so the reads
+// in the condition are ordered with the lock's other holders. The wrapper goes to the
+// library through Condition's void* constructor, which the library itself implements,
+// so TSan sees no unordered read of the Condition object.
 struct WrappedCondition {
   const absl::Mutex* mu;
   const Condition* cond;
-  static bool Eval(WrappedCondition* w) {
-    AcquireWrite(w->mu);
-    return w->cond->Eval();
-  }
 };
+
+bool EvalWrapped(void* arg) {
+  __tsan_acquire(arg);
+  auto* w = static_cast<WrappedCondition*>(arg);
+  AcquireWrite(w->mu);
+  const bool result = w->cond->Eval();
+  ReleaseWrite(w->mu);
+  return result;
+}
+
+// The wrapped condition for `cond` on `mu`, published before the library sees it.
+#define WRAP_CONDITION(name, mu, cond)     \
+  WrappedCondition name##_arg{mu, &cond};  \
+  __tsan_release(&name##_arg);             \
+  const Condition name(&EvalWrapped, &name##_arg)
 
 }  // namespace
 
@@ -144,16 +160,16 @@ bool Mutex::ReaderTryLock() {
 
 void Mutex::LockWhen(const Condition& cond) {
   REAL(void (*)(Mutex*, const Condition&), false, "5Mutex8LockWhenERKNS0_9ConditionE");
-  WrappedCondition w{this, &cond};
-  real(this, Condition(&WrappedCondition::Eval, &w));
+  WRAP_CONDITION(wrapped, this, cond);
+  real(this, wrapped);
   AcquireWrite(this);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Duration), false,
        "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), timeout);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, timeout);
   AcquireWrite(this);
   return ok;
 }
@@ -161,24 +177,24 @@ bool Mutex::LockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
 bool Mutex::LockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Time), false,
        "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), deadline);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, deadline);
   AcquireWrite(this);
   return ok;
 }
 
 void Mutex::ReaderLockWhen(const Condition& cond) {
   REAL(void (*)(Mutex*, const Condition&), false, "5Mutex14ReaderLockWhenERKNS0_9ConditionE");
-  WrappedCondition w{this, &cond};
-  real(this, Condition(&WrappedCondition::Eval, &w));
+  WRAP_CONDITION(wrapped, this, cond);
+  real(this, wrapped);
   AcquireRead(this);
 }
 
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Duration), false,
        "5Mutex25ReaderLockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), timeout);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, timeout);
   AcquireRead(this);
   return ok;
 }
@@ -186,8 +202,8 @@ bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, absl::Duration time
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Time), false,
        "5Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), deadline);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, deadline);
   AcquireRead(this);
   return ok;
 }
@@ -198,8 +214,8 @@ bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, absl::Time deadlin
 void Mutex::Await(const Condition& cond) {
   REAL(void (*)(Mutex*, const Condition&), false, "5Mutex5AwaitERKNS0_9ConditionE");
   ReleaseWrite(this);
-  WrappedCondition w{this, &cond};
-  real(this, Condition(&WrappedCondition::Eval, &w));
+  WRAP_CONDITION(wrapped, this, cond);
+  real(this, wrapped);
   AcquireWrite(this);
 }
 
@@ -207,8 +223,8 @@ bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Duration), false,
        "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   ReleaseWrite(this);
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), timeout);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, timeout);
   AcquireWrite(this);
   return ok;
 }
@@ -217,8 +233,8 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
   REAL(bool (*)(Mutex*, const Condition&, absl::Time), false,
        "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   ReleaseWrite(this);
-  WrappedCondition w{this, &cond};
-  const bool ok = real(this, Condition(&WrappedCondition::Eval, &w), deadline);
+  WRAP_CONDITION(wrapped, this, cond);
+  const bool ok = real(this, wrapped, deadline);
   AcquireWrite(this);
   return ok;
 }
