@@ -5,6 +5,9 @@ LATENTD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-numpy
+  # Fuzzing (scripts/fuzz.sh): clang 14 with libFuzzer and the sanitizer runtimes;
+  # llvm brings llvm-symbolizer for readable sanitizer stacks.
+  clang libclang-rt-14-dev llvm
 )
 
 latentd_ensure_packages() {

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs the whole CPU test suite: installs missing Debian packages, builds everything
-# (CUDA kernels included when nvcc is present), runs every test not tagged gpu or
-# benchmark, prints each kernel's ptxas resource usage, and ends with "N passed, N failed".
-# Extra arguments go to bazel test (e.g. --config=nocuda).
+# (CUDA kernels included when nvcc is present), runs every test not tagged gpu,
+# benchmark or fuzz, prints each kernel's ptxas resource usage, then runs the suite again
+# under --config=asan and --config=tsan and every fuzz target for a bounded time
+# (scripts/fuzz.sh), and ends with "N passed, N failed" over all of them.
+# LATENTD_QUICK=1 skips the sanitizer and fuzz stages (local runs).
+# Extra arguments go to the first bazel test only (e.g. --config=nocuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -10,8 +13,11 @@ latentd_ensure_packages || { echo "latentd: package installation failed" >&2; ex
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+times=()
+start=$SECONDS
 bazel test $(latentd_cuda_config) //... "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
+times+=("tests $((SECONDS - start))s")
 
 reports=$(find -L bazel-bin/ -name '*.ptxas.txt' 2>/dev/null | sort)
 if [[ -n $reports ]]; then
@@ -19,6 +25,23 @@ if [[ -n $reports ]]; then
   # shellcheck disable=SC2086
   bash tools/check_ptxas.sh $reports || rc=1
 fi
+
+# Sanitizer and fuzz stages: their per-test lines land in the same log and count below.
+if [[ ${LATENTD_QUICK:-0} != 1 ]]; then
+  for config in asan tsan; do
+    echo "== bazel test --config=$config =="
+    start=$SECONDS
+    bazel test --config="$config" //... 2>&1 | tee -a "$log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+    times+=("$config $((SECONDS - start))s")
+  done
+  echo "== scripts/fuzz.sh =="
+  start=$SECONDS
+  bash scripts/fuzz.sh 2>&1 | tee -a "$log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+  times+=("fuzz $((SECONDS - start))s")
+fi
+echo "== stage times: ${times[*]} =="
 
 passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
 failed=$(grep -cE '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' "$log")

@@ -81,6 +81,8 @@ Harness::Pending* Harness::MakeStep(const std::string& id, int layer, int s_q, b
   s.lse = p->lse.data();
   s.cancelled = &p->cancelled;
   s.callback = this;
+  // StepDone looks steps up from the engine's thread while earlier steps are in flight.
+  absl::MutexLock lock(&mu_);
   steps_.push_back(std::move(p));
   return steps_.back().get();
 }
@@ -108,8 +110,8 @@ absl::Status Harness::Submit(Pending* p) {
 }
 
 void Harness::StepDone(DecodeStep* step, absl::Status status) {
-  Pending* p = steps_[step->request_id].get();
   absl::MutexLock lock(&mu_);
+  Pending* p = steps_[step->request_id].get();
   while (hold_) cv_.Wait(&mu_);
   p->status = status;
   p->done = true;

@@ -13,6 +13,9 @@
 #include <fstream>
 #include <sstream>
 
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -66,6 +69,18 @@ Daemon::~Daemon() {
   if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
+  }
+  // Under --config=asan/tsan the daemon is instrumented too; a report it printed must
+  // fail the test even when the client side happened not to notice anything.
+  if (pid_ > 0) {
+    const std::string log = Log();
+    for (const char* marker : {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+                               "WARNING: ThreadSanitizer", "runtime error:"}) {
+      if (absl::StrContains(log, marker)) {
+        ADD_FAILURE() << "the daemon reported \"" << marker << "\":\n" << log;
+        break;
+      }
+    }
   }
 }
 

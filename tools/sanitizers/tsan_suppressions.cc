@@ -1,0 +1,61 @@
+// ThreadSanitizer suppressions for tsan builds, compiled into every binary with the
+// abseil shim (no file path to pass around: TSan asks for them by this function).
+// Only gRPC-internal handoffs belong here: memory of gRPC's own objects passed between
+// gRPC threads by gRPC's uninstrumented completion queues, executors and refcounts,
+// which TSan cannot see. A race between our own threads, or on our own data, is a real
+// bug and must not be suppressed. See docs/testing.md.
+//
+// (Intercepted libc calls made from inside libgrpc, such as sendmsg/recvmsg and memcpy
+// on gRPC's slices, are already ignored by ignore_noninstrumented_modules=1 in
+// TSAN_OPTIONS.)
+//
+// race_top matches only the top frame of either access's stack, so these do not hide
+// reports in which gRPC code merely appears further down (our callbacks are all called
+// from gRPC frames).
+
+extern "C" const char* __tsan_default_suppressions() {
+  return
+      // When a batch completes, gRPC's callback thread finalizes it
+      // (CallOpSet::FinalizeResult: the ops' FinishOp, interceptor hooks, parsing a
+      // received message into the reactor's request) before calling the reactor back.
+      // The batch was started by whichever thread called StartRead/StartWrite (gRPC's,
+      // the engine's or the upload thread), after it was done with that message; the
+      // completion reaches the callback thread through gRPC's completion queue, which
+      // TSan does not see, so every access on the finalizing side looks unordered.
+      // Seen in //tests/integration:errors_test, lifecycle_test, decode_test and the
+      // service fuzz regression tests (e.g. AppendKvReactor::Apply reading request_
+      // before StartRead, then the parse of the next message into it). Our own
+      // callbacks run after FinalizeResult has returned, so they stay checked; the
+      // cost is that a message gRPC is parsing or serializing cannot be checked
+      // against our accesses (ASan and the fuzzers cover misuse of those).
+      "race:grpc::internal::CallOpSet*::FinalizeResult\n"
+      // Our StartRead/StartWrite start a batch from any thread; gRPC's per-call
+      // bookkeeping read back on completion (Call::client_rpc_info etc.) has the same
+      // invisible ordering.
+      "race_top:grpc::internal::Call::\n"
+      // gRPC calls a reactor's OnReadDone/OnWriteDone (a virtual call: the vptr read)
+      // on its callback thread, drops its reference, and once the last one is gone
+      // runs OnDone (where reactors delete themselves) on its executor thread; the
+      // handoff goes through gRPC's executor queue, so the destructor's vptr write
+      // looks unordered with the earlier virtual call. A reactor deleted too early
+      // would show the same way here, but ASan reports that as a use-after-free.
+      // Seen in //tests/integration:errors_test and abuse_test (AppendKvReactor).
+      "race_top:grpc::internal::Callback*Handler*::SetupReactor\n"
+      // The same handoff for gRPC's own completion tags: the callback thread reads a
+      // tag's function to run it, the executor thread destroys the tag with the call
+      // object after OnDone (CallbackWithSuccessTag::Clear). Seen in errors_test.
+      "race:grpc::internal::CallbackWithSuccessTag::Clear\n"
+      // The callback thread reads a completed tag's function (StaticRun) before the
+      // call's last reference goes and gRPC's executor destroys the call object
+      // (CallOnDone): ordered by gRPC's refcount and executor queue.
+      // Seen in //tests/integration:errors_test.
+      "race_top:grpc::internal::CallbackWithSuccessTag::StaticRun\n"
+      // recvmsg() on a polling thread fills a slice that an executor thread then
+      // memcpy()s out (both inside libgrpc). Kept in case a Debian build makes libgrpc
+      // look instrumented to ignore_noninstrumented_modules.
+      // Seen in //tests/integration:decode_test (the client of a blocking unary call).
+      "race:grpc_slice_buffer_copy_first_into_buffer\n"
+      // gRPC's own threads (timer, executor) finish without being joined at exit.
+      // Seen in //tests/integration:decode_test.
+      "thread:grpc_core::Thread::Thread\n";
+}
