@@ -38,6 +38,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
 #include "server/presets.h"
+#include "server/sd_notify.h"
 #include "server/service.h"
 #include "server/version.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -361,6 +362,10 @@ int Run() {
     std::ofstream(tmp) << port << "\n";
     std::rename(tmp.c_str(), pf.c_str());
   }
+  // Under a Type=notify systemd unit, start-up is complete once the port is bound.
+  if (std::string err = NotifySystemd(absl::StrCat("READY=1\nSTATUS=serving on ", address)); !err.empty()) {
+    spdlog::warn("{}", err);
+  }
 
   // Housekeeping thread: the idle-sequence TTL (a client that vanished leaks nothing for
   // longer than this) and a periodic stats line.
@@ -436,6 +441,7 @@ int Run() {
     }
   });
   server->GetHealthCheckService()->SetServingStatus(false);
+  NotifySystemd("STOPPING=1\nSTATUS=draining");
   service.BeginDrain();
   const absl::Duration drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   const bool drained = engine->Drain(drain_timeout);
