@@ -5,6 +5,9 @@ LATENTD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-numpy
+  # tests/deploy: systemd-analyze (not in Debian's base image), the manifest parser, and
+  # the Python package's install into a venv.
+  systemd python3-yaml python3-venv python3-pip python3-setuptools
 )
 
 latentd_ensure_packages() {
