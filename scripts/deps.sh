@@ -7,7 +7,7 @@ LATENTD_PACKAGES=(
   python3 python3-grpcio python3-protobuf python3-numpy
   # tests/deploy: systemd-analyze (not in Debian's base image), the manifest parser, and
   # the Python package's install into a venv.
-  systemd python3-yaml python3-venv python3-pip python3-setuptools
+  systemd python3-yaml python3-venv python3-pip python3-setuptools python3-wheel
 )
 
 latentd_ensure_packages() {
