@@ -8,6 +8,9 @@ LATENTD_PACKAGES=(
   # Fuzzing (scripts/fuzz.sh): clang 14 with libFuzzer and the sanitizer runtimes;
   # llvm brings llvm-symbolizer for readable sanitizer stacks.
   clang libclang-rt-14-dev llvm
+  # tests/deploy: systemd-analyze (not in Debian's base image), the manifest parser, and
+  # the Python package's install into a venv.
+  systemd python3-yaml python3-venv python3-pip python3-setuptools python3-wheel
 )
 
 latentd_ensure_packages() {

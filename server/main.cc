@@ -20,11 +20,14 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/private_handle_accessor.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -34,10 +37,20 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
+#include "server/presets.h"
+#include "server/sd_notify.h"
 #include "server/service.h"
 #include "server/version.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+
+// Model presets (server/presets.cc): --model fills --num_layers, --num_heads_q,
+// --num_heads_kv, --dtype and --softmax_scale; any of them given explicitly wins.
+ABSL_FLAG(std::string, model, "",
+          "model preset: deepseek-v3, deepseek-r1 (= deepseek-v3), deepseek-v2-lite, kimi-k2, kimi-k2-0905; "
+          "sets the shape and the YaRN-corrected softmax scale (explicit shape flags override it)");
+ABSL_FLAG(int, tensor_parallel, 1,
+          "with --model: tensor-parallel degree; this daemon serves num_attention_heads / N query heads");
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address to serve on (host:port; port 0 picks a free one, see --port_file)");
@@ -133,6 +146,41 @@ bool GpuDevicePresent() {
 #endif
 }
 
+// --model: sets the shape flags not given explicitly (on the command line or in a
+// --flagfile) to the preset's values, so BuildEngineOptions validates one set of flags.
+// Returns a message naming the bad flag, or empty; *applied describes the result for
+// the start-up line.
+std::string ApplyModelPreset(std::string* applied) {
+  const std::string model = absl::GetFlag(FLAGS_model);
+  const int tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  if (model.empty()) {
+    *applied = "custom";
+    if (tensor_parallel != 1) return "--tensor_parallel: only with --model (else give --num_heads_q per rank)";
+    return "";
+  }
+  auto preset = ResolvePreset(model, tensor_parallel);
+  if (!preset.ok()) return std::string(preset.status().message());
+  std::vector<std::string> overridden;
+  auto fill = [&](auto& flag, const auto& value) {
+    // Newer abseil makes IsSpecifiedOnCommandLine public; Debian's 20220623 reaches it
+    // through this accessor. It counts flags from --flagfile as given too.
+    const absl::CommandLineFlag& handle = absl::GetFlagReflectionHandle(flag);
+    if (absl::flags_internal::PrivateHandleAccessor::IsSpecifiedOnCommandLine(handle)) {
+      overridden.push_back(absl::StrCat("--", handle.Name()));
+    } else {
+      absl::SetFlag(&flag, value);
+    }
+  };
+  fill(FLAGS_num_layers, preset->num_layers);
+  fill(FLAGS_num_heads_q, preset->num_heads_q);
+  fill(FLAGS_num_heads_kv, preset->num_heads_kv);
+  fill(FLAGS_dtype, preset->dtype);
+  fill(FLAGS_softmax_scale, preset->softmax_scale);
+  *applied = absl::StrCat(preset->name, " tp ", tensor_parallel);
+  if (!overridden.empty()) absl::StrAppend(applied, " (overridden: ", absl::StrJoin(overridden, " "), ")");
+  return "";
+}
+
 // Flags into engine options; returns a message naming the bad flag, or empty.
 std::string BuildEngineOptions(engine::EngineOptions* o) {
   const std::string backend = absl::AsciiStrToLower(absl::GetFlag(FLAGS_backend));
@@ -217,6 +265,8 @@ int Run() {
   spdlog::set_level(level);
 
   engine::EngineOptions eo;
+  std::string model_preset;
+  if (std::string err = ApplyModelPreset(&model_preset); !err.empty()) return Fail(err);
   if (std::string err = BuildEngineOptions(&eo); !err.empty()) return Fail(err);
   const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   if (max_message_bytes < 1024 || max_message_bytes > (int64_t{1} << 31) - 1) {
@@ -304,9 +354,9 @@ int Run() {
   const int64_t page_bytes = int64_t{eo.model.num_layers} * kernels::kPageSize * eo.model.num_heads_kv *
                              kernels::kHeadDimQK * kernels::DTypeBytes(eo.model.dtype);
   spdlog::info(
-      "latentd {} serving on {} | backend {} device {} | layers {} h_q {} h_kv {} {} scale {:.6g} | "
+      "latentd {} serving on {} | backend {} device {} | model {} layers {} h_q {} h_kv {} {} scale {:.6g} | "
       "KV pool {} pages of 64 tokens ({:.2f} GiB) | max_batch {} | tls {} | auth {}",
-      kVersion, address, info.backend, eo.device, info.model.num_layers, info.model.num_heads_q,
+      kVersion, address, info.backend, eo.device, model_preset, info.model.num_layers, info.model.num_heads_q,
       info.model.num_heads_kv, kernels::DTypeName(info.model.dtype), info.model.softmax_scale, info.total_pages,
       static_cast<double>(info.total_pages * page_bytes) / (1 << 30), info.max_batch_size,
       cert_path.empty() ? "off" : "on", so.auth_token.empty() ? "off" : "on (" + token->source + ")");
@@ -321,6 +371,10 @@ int Run() {
     const std::string tmp = pf + ".tmp";
     std::ofstream(tmp) << port << "\n";
     std::rename(tmp.c_str(), pf.c_str());
+  }
+  // Under a Type=notify systemd unit, start-up is complete once the port is bound.
+  if (std::string err = NotifySystemd(absl::StrCat("READY=1\nSTATUS=serving on ", address)); !err.empty()) {
+    spdlog::warn("{}", err);
   }
 
   // Housekeeping thread: the idle-sequence TTL (a client that vanished leaks nothing for
@@ -397,6 +451,7 @@ int Run() {
     }
   });
   server->GetHealthCheckService()->SetServingStatus(false);
+  NotifySystemd("STOPPING=1\nSTATUS=draining");
   service.BeginDrain();
   const absl::Duration drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   const bool drained = engine->Drain(drain_timeout);
@@ -455,7 +510,17 @@ int main(int argc, char** argv) {
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("latentd"));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ %v");
-  absl::SetProgramUsageMessage("latentd: MLA decode attention over gRPC (latentd.v1.DecodeService).");
+  absl::SetProgramUsageMessage(
+      "MLA decode attention over gRPC (latentd.v1.DecodeService).\n"
+      "  latentd [--model=NAME [--tensor_parallel=N]] [--flagfile=FILE] [--flag=value ...]\n"
+      "  --help lists the daemon's flags, --helpfull every library's too, --version the version.");
+  // absl's --help lists the flags of a file named after the program (latentd.cc); the
+  // daemon's are in server/main.cc. --version prints kVersion and exits 0.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "server/main.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] { return absl::StrCat("latentd ", latentd::server::kVersion, "\n"); };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return latentd::server::Run();
 }
