@@ -37,6 +37,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
+#include "server/metrics_exporter.h"
 #include "server/presets.h"
 #include "server/sd_notify.h"
 #include "server/service.h"
@@ -109,6 +110,9 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "read the token from this file (trailing newline stripped; must not be group/world-readable)");
 ABSL_FLAG(int, max_health_watchers, 64,
           "most open grpc.health.v1 Watch streams; more fail RESOURCE_EXHAUSTED (0: Watch always refused)");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve Prometheus metrics (GET /metrics over plain HTTP, no auth) on this literal address, e.g. "
+          "127.0.0.1:9464; keep it on loopback or a private network (empty: off)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving (for --listen host:0)");
 
@@ -277,6 +281,10 @@ int Run() {
   if (cert_path.empty() != key_path.empty()) return Fail("--tls_cert and --tls_key: expected both or neither");
   const int max_health_watchers = absl::GetFlag(FLAGS_max_health_watchers);
   if (max_health_watchers < 0) return Fail("--max_health_watchers: expected >= 0");
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (!metrics_listen.empty()) {
+    if (absl::Status st = ValidateMetricsListen(metrics_listen); !st.ok()) return Fail(std::string(st.message()));
+  }
   TokenSources token_sources;
   token_sources.file_path = absl::GetFlag(FLAGS_auth_token_file);
   if (const char* env = std::getenv(kAuthTokenEnv); env != nullptr) token_sources.env = env;
@@ -365,6 +373,14 @@ int Run() {
         "auth token set without TLS (--tls_cert/--tls_key): the token crosses the network in clear text unless "
         "the listen address is loopback ({} is {})",
         listen, IsLoopback(host) ? "loopback" : "NOT loopback");
+  }
+  // Up before the port file appears, so whoever waits for it can scrape at once.
+  std::unique_ptr<MetricsExporter> metrics;
+  if (!metrics_listen.empty()) {
+    auto started = MetricsExporter::Start(metrics_listen, engine.get(), &service, kVersion);
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    metrics = std::move(*started);
+    spdlog::info("Prometheus metrics on http://{}/metrics", metrics->address());
   }
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     // Written to a temporary name and renamed so a reader never sees a partial file.
@@ -492,6 +508,7 @@ int Run() {
   }
   spdlog::log(exit_code == 0 ? spdlog::level::info : spdlog::level::warn, "drained in {:.3f}s: {}",
               absl::ToDoubleSeconds(absl::Now() - drain_start), summary);
+  if (metrics != nullptr) metrics->Stop();  // it reads the service and the engine
   server.reset();
   engine.reset();
   return exit_code;

@@ -1,4 +1,4 @@
-// The --model preset table and its softmax-scale derivation. docs/operating.md lists the
+// The --model preset table and its softmax-scale derivation. docs/deployment.md lists the
 // same values; server/presets_test.cc pins them.
 #include "server/presets.h"
 
