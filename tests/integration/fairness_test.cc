@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <memory>
 #include <string>
@@ -47,7 +48,7 @@ std::vector<double> Steady(Tracker* t, const std::string& seq, int n) {
   return ms;
 }
 
-// A client that sends 1000-step messages as fast as its stream takes them, on its own
+// A client that sends 1000-step messages (see LATENTD_FLOOD_STEPS) as fast as its stream takes them, on its own
 // connection, until stopped; counts its results.
 class Flood {
  public:
@@ -68,7 +69,11 @@ class Flood {
     writer_ = std::thread([this] {
       const client::Shape& sh = client_->shape();
       v1::DecodeRequest req;
-      for (int i = 0; i < 1000; ++i) {
+      // LATENTD_FLOOD_STEPS: steps per flood message (default 1000), for measuring how
+      // message size matters.
+      const char* steps_env = std::getenv("LATENTD_FLOOD_STEPS");
+      const int steps = steps_env != nullptr ? std::max(1, std::atoi(steps_env)) : 1000;
+      for (int i = 0; i < steps; ++i) {
         v1::DecodeStep* s = req.add_steps();
         s->set_sequence_id(seqs_[i % seqs_.size()]);
         s->set_q(std::string(static_cast<size_t>(sh.QBytes(1)), '\x01'));
