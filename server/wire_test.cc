@@ -213,7 +213,8 @@ TEST(WireTest, AppendKvRequest) {
   ASSERT_TRUE(ReadAppendKvRequest(&in2, 128, &f).ok());
   EXPECT_EQ(f.sequence_id_bytes, 500);
   EXPECT_TRUE(id.empty());
-  auto in3 = Stream(bytes.substr(0, bytes.size() - 1));
+  const std::string truncated = bytes.substr(0, bytes.size() - 1);  // outlives the stream
+  auto in3 = Stream(truncated);
   EXPECT_FALSE(ReadAppendKvRequest(&in3, 128, &f).ok());
 }
 
