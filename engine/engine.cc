@@ -215,6 +215,17 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
 
+  void SubmitBatch(DecodeStep* const* steps, int n, absl::Status* statuses) override {
+    // Seen by the scheduler before the first push, so no batch forms from a part.
+    batch_submitters_.fetch_add(1);
+    for (int i = 0; i < n; ++i) {
+      if (i > 0 && o_.on_batch_submit_for_testing) o_.on_batch_submit_for_testing();
+      statuses[i] = Submit(steps[i]);
+    }
+    batch_submitters_.fetch_sub(1);
+    queue_.Wake();
+  }
+
   EngineMetrics Metrics() const override {
     EngineMetrics m = metrics_.Snapshot();
     {
@@ -306,6 +317,16 @@ class EngineImpl final : public Engine {
     done_cv_.SignalAll();
   }
 
+  // A SubmitBatch is queueing a message's steps: let it finish (microseconds: each
+  // Submit is a validation and a push) so the batch holds all of them. Bounded, in
+  // case a submitter is descheduled.
+  void WaitForBatchSubmitters() {
+    if (batch_submitters_.load() == 0) return;
+    const absl::Time limit = absl::Now() + o_.batch_submit_wait;
+    while (batch_submitters_.load() > 0 && absl::Now() < limit) std::this_thread::yield();
+    Collect();
+  }
+
   // Moves queued steps into the fair queue (per flow, in arrival order). O(new steps).
   void Collect() {
     incoming_.clear();
@@ -344,6 +365,7 @@ class EngineImpl final : public Engine {
     const int taken = fair_.Pick(o_.max_batch_size, o_.max_batch_tokens, [&](DecodeStep* s) {
       BatchEntry e;
       e.step = s;
+      s->batched_at = now;
       batch.entries.push_back(e);
       batch.tokens += s->s_q;
     });
@@ -405,6 +427,11 @@ class EngineImpl final : public Engine {
 
   void Finish(Batch& batch) {
     backend_->Finish(batch);
+    const absl::Time finished = absl::Now();
+    for (auto& e : batch.entries) {
+      e.step->launched_at = batch.launched_at;
+      e.step->finished_at = finished;
+    }
     {
       absl::MutexLock lock(&kv_mu_);
       kv_.CloseRead(batch.kv_read);
@@ -436,6 +463,7 @@ class EngineImpl final : public Engine {
           Collect();
         }
       }
+      WaitForBatchSubmitters();
       Batch& batch = batches_[slot];
       batch.slot = slot;
       Form(batch);
@@ -485,6 +513,7 @@ class EngineImpl final : public Engine {
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> draining_{false};
+  std::atomic<int> batch_submitters_{0};  // SubmitBatch calls under way
   std::atomic<uint64_t> accepted_{0}, completed_{0};
   absl::Mutex done_mu_;
   absl::CondVar done_cv_;

@@ -49,6 +49,13 @@ struct EngineOptions {
   // Tests only: called between two chunks of a large AppendKv, with the KV lock
   // released (to show that other work proceeds meanwhile). Empty in production.
   std::function<void()> on_append_chunk_for_testing;
+  // Tests only: called inside SubmitBatch between two steps' pushes (to show that the
+  // scheduler waits for the whole message). Empty in production.
+  std::function<void()> on_batch_submit_for_testing;
+  // How long the scheduler waits for a SubmitBatch under way before forming a batch
+  // anyway (queueing a message's steps takes microseconds; this bounds a submitter
+  // that was descheduled).
+  absl::Duration batch_submit_wait = absl::Milliseconds(2);
 };
 
 struct EngineInfo {
@@ -103,8 +110,11 @@ struct DecodeStep {
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;
-  // Engine bookkeeping.
+  // Engine bookkeeping. The times are set for every step (a store each): when it was
+  // queued, put into a batch, launched (rows appended, inputs staged) and finished
+  // (results in out/lse); the server reports them to clients that trace a step.
   absl::Time enqueued_at;
+  absl::Time batched_at, launched_at, finished_at;
   void* engine_private = nullptr;
 };
 
@@ -166,6 +176,12 @@ class Engine {
   // sequence, full queue, draining) and its callback will not run; OK means StepDone
   // will be called exactly once.
   virtual absl::Status Submit(DecodeStep* step) = 0;
+  // Submits n steps as one unit: the scheduler does not form a batch from a part of
+  // them while the rest are being queued, so steps that fit one launch run in one
+  // launch. statuses[i] is Submit's answer for steps[i]. Never blocks.
+  virtual void SubmitBatch(DecodeStep* const* steps, int n, absl::Status* statuses) {
+    for (int i = 0; i < n; ++i) statuses[i] = Submit(steps[i]);
+  }
 
   virtual EngineMetrics Metrics() const = 0;
 

@@ -490,6 +490,31 @@ TEST_F(EngineTest, EqualFlowsShareEachBatch) {
   EXPECT_EQ(m.last_batch_max_flow_rows, 4);
 }
 
+// A message's steps submitted together run in one launch even when queueing them takes
+// longer than the batching window (here 0): the scheduler waits for the whole unit.
+TEST_F(EngineTest, SubmitBatchRunsInOneLaunch) {
+  EngineOptions o = Model(2, 16);
+  o.max_batch_size = 64;
+  o.batch_window = absl::ZeroDuration();
+  o.on_batch_submit_for_testing = [] { absl::SleepFor(absl::Microseconds(200)); };
+  o.batch_submit_wait = absl::Seconds(30);  // the test's sleeps, however slow the host
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 41);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 24; ++i) steps.push_back(h.MakeStep(h.NewSequence(10 + i), i % 2, 1, false));
+  ASSERT_TRUE(h.SubmitBatch(steps).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : steps) {
+    EXPECT_TRUE(h.Check(*p, kExact));
+    EXPECT_EQ(p->step.batched_at, steps[0]->step.batched_at);
+    EXPECT_LE(p->step.enqueued_at, p->step.batched_at);
+    EXPECT_LE(p->step.batched_at, p->step.launched_at);
+    EXPECT_LE(p->step.launched_at, p->step.finished_at);
+  }
+  EXPECT_EQ(engine->Metrics().batches, 1u) << "the message was split over launches";
+}
+
 // Two flows (say, a stream and its replacement after a reconnect) step the same
 // sequence and layer alternately: the steps still run one per batch in the order
 // submitted, each over the rows of the ones before it.

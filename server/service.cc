@@ -96,6 +96,9 @@ bool IsValidSequenceId(absl::string_view id) {
 // Start rule. No StartRead/StartWrite is issued after Finish: every Start* is decided
 // under mu_ (counted in starting_ until issued), and Finish is decided only when
 // finished_ is false and starting_ is zero, and sets finished_.
+// Message rule. A DecodeRequest is one unit: its valid steps go to the engine in one
+// Engine::SubmitBatch (so those that fit a launch run in one), and its results are held
+// back until all of them are answered, then written together.
 
 class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public engine::StepCallback {
@@ -189,7 +192,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     {
       absl::MutexLock l(&mu_);
       --inflight_;
-      done_.push_back(slot);
+      AnsweredLocked(slot);
       submit = ClaimSubmitLocked();
     }
     if (submit) SubmitDeferred();
@@ -247,7 +250,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::vector<Slot*> spare;
     {
       absl::MutexLock l(&mu_);
-      const bool idle = inflight_ == 0 && done_.empty() && deferred_.empty() && !processing_;
+      const bool idle = inflight_ == 0 && held_ == 0 && done_.empty() && deferred_.empty() && !processing_;
       const bool was_idle = idle_since_trim_;
       idle_since_trim_ = idle;
       const size_t keep = static_cast<size_t>(service_->options().idle_stream_slots);
@@ -272,6 +275,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // included, until the slot is deleted.
     int64_t charged = 0;
     bool accepted = false;         // the engine took it (its result counts as delivered or not)
+    uint64_t group = 0;            // the message it came in (Group::id)
+    Slot* group_next = nullptr;    // answered steps of its message, waiting for the rest
+    bool trace = false;            // DecodeStep.trace: send StepTiming back
+    absl::Time received, parsed, submitted, completed;
+    wire::Timing timing;           // filled when the response is built
+  };
+
+  // One DecodeRequest whose results are not all in yet.
+  struct Group {
+    uint64_t id = 0;
+    int remaining = 0;     // valid steps not yet answered
+    Slot* held = nullptr;  // answered ones (and invalid ones), linked by group_next
   };
 
   class ScopedRef {
@@ -304,8 +319,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const bool gone = GoneLocked();
     if (gone && !submitting_ && !deferred_.empty()) {
       // Never submitted: nothing to answer.
-      for (Slot* s : deferred_) RecycleLocked(s);
-      deferred_.clear();
+      std::deque<Slot*> never;
+      never.swap(deferred_);
+      for (Slot* s : never) DroppedLocked(s);
     }
     if (gone && !done_.empty()) {
       // Answers have nowhere to go; recycle them.
@@ -319,15 +335,15 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       write_started_ = absl::Now();
       p.write = true;
     }
-    const int64_t open = inflight_ + static_cast<int64_t>(done_.size() + deferred_.size());
+    const int64_t open = inflight_ + held_ + static_cast<int64_t>(done_.size() + deferred_.size());
     if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ && fatal_.ok() && deferred_.empty() &&
         open < service_->options().max_stream_inflight) {
       reading_ = true;
       p.read = true;
     }
     if (p.read || p.write) ++starting_;
-    const bool idle =
-        inflight_ == 0 && !writing_ && done_.empty() && deferred_.empty() && !submitting_ && !processing_;
+    const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
+                      !submitting_ && !processing_;
     const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
     if (idle && over && starting_ == 0 && !cancelling_) {
       finished_ = true;
@@ -372,15 +388,31 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     } else {
       v.message = &s->message;
     }
+    if (s->trace) v.timing = &s->timing;
     return v;
+  }
+
+  static void FillTiming(Slot* s, absl::Time response) {
+    auto us = [](absl::Time t) { return t == absl::Time() ? int64_t{0} : absl::ToUnixMicros(t); };
+    wire::Timing& t = s->timing;
+    t.received_us = us(s->received);
+    t.parsed_us = us(s->parsed);
+    t.submitted_us = us(s->submitted);
+    t.batched_us = us(s->batched_at);
+    t.launched_us = us(s->launched_at);
+    t.finished_us = us(s->finished_at);
+    t.completed_us = us(s->completed);
+    t.response_us = us(response);
   }
 
   // Serializes finished results into write_buf_, up to the byte cap (at least one
   // result), and takes their slots back.
   void FillResponseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t cap = service_->options().max_response_bytes;
+    const absl::Time now = absl::Now();
     size_t bytes = 0, taken = 0;
     while (taken < done_.size()) {
+      if (done_[taken]->trace) FillTiming(done_[taken], now);
       const size_t b = wire::EncodedResultSize(View(done_[taken]));
       if (taken > 0 && static_cast<int64_t>(bytes + b) > cap) break;
       bytes += b;
@@ -404,6 +436,62 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { free_.push_back(s); }
+
+  // Groups live in a ring in message order; a group leaves it once it and every older
+  // one are flushed. The ring only grows (to the most messages a stream has had open
+  // at once), so the steady state allocates nothing.
+  Group* NewGroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (group_count_ == groups_.size()) {
+      std::vector<Group> grown(std::max<size_t>(4, 2 * groups_.size()));
+      for (size_t i = 0; i < group_count_; ++i) grown[i] = groups_[(group_head_ + i) % groups_.size()];
+      groups_.swap(grown);
+      group_head_ = 0;
+    }
+    Group* g = &groups_[(group_head_ + group_count_) % groups_.size()];
+    ++group_count_;
+    *g = Group();
+    g->id = next_group_++;
+    return g;
+  }
+
+  Group* FindGroupLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint64_t front = groups_[group_head_].id;
+    return &groups_[(group_head_ + static_cast<size_t>(id - front)) % groups_.size()];
+  }
+
+  // The message's last step is answered: its results become writable together.
+  void FlushLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    for (Slot* s = g->held; s != nullptr;) {
+      Slot* next = s->group_next;
+      s->group_next = nullptr;
+      s->completed = now;
+      done_.push_back(s);
+      --held_;
+      s = next;
+    }
+    g->held = nullptr;
+    while (group_count_ > 0 && groups_[group_head_].remaining == 0 && groups_[group_head_].held == nullptr) {
+      group_head_ = (group_head_ + 1) % groups_.size();
+      --group_count_;
+    }
+  }
+
+  // A result (or an error answered by the stream) for one of a message's valid steps.
+  void AnsweredLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Group* g = FindGroupLocked(s->group);
+    s->group_next = g->held;
+    g->held = s;
+    ++held_;
+    if (--g->remaining == 0) FlushLocked(g);
+  }
+
+  // A valid step that will never be submitted (the client went away).
+  void DroppedLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Group* g = FindGroupLocked(s->group);
+    RecycleLocked(s);
+    if (--g->remaining == 0) FlushLocked(g);
+  }
 
   static int64_t HeldBytes(const Slot* s) {
     return static_cast<int64_t>(s->q_buf.capacity() + s->kv_buf.capacity() + s->out_buf.capacity() +
@@ -447,6 +535,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // validation is answered at once; valid ones queue in deferred_, from which at most
   // max_stream_inflight are in the engine at a time.
   void Process() {
+    const absl::Time received = absl::Now();
     const ServiceOptions& o = service_->options();
     const DecodeServiceImpl::Shape& sh = service_->shape();
     int count = 0;
@@ -495,6 +584,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->code = 0;
       slot->accepted = false;
       slot->message.clear();
+      slot->trace = f.trace;
+      slot->received = received;
+      slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
       absl::Status st = Validate(f, read, sh);
       int64_t extra = 0;  // the results' buffers, sized in Prepare
       if (st.ok()) {
@@ -511,17 +603,25 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->code = static_cast<int32_t>(st.code());
       if (!st.ok()) SetError(slot, st);
     }
+    const absl::Time parsed = absl::Now();
     bool submit = false;
     {
       absl::MutexLock l(&mu_);
+      Group* g = NewGroupLocked();
       for (int i = 0; i < read; ++i) {
         Slot* s = batch_[i];
+        s->parsed = parsed;
+        s->group = g->id;
         if (s->code == 0) {
           deferred_.push_back(s);
+          ++g->remaining;
         } else {
-          done_.push_back(s);
+          s->group_next = g->held;  // answered at once, written with the rest
+          g->held = s;
+          ++held_;
         }
       }
+      if (g->remaining == 0) FlushLocked(g);
       for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
       submit = ClaimSubmitLocked();
     }
@@ -558,28 +658,39 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Hands deferred steps to the engine while the stream has room; refused ones are
   // answered with the engine's error. Never blocks (Engine::Submit does not).
+  // Each round takes every deferred step the stream has room for (a whole message,
+  // normally) and submits them in one Engine::SubmitBatch.
   void SubmitDeferred() {
     const int64_t limit = service_->options().max_stream_inflight;
     for (;;) {
-      Slot* s = nullptr;
       {
         absl::MutexLock l(&mu_);
         if (deferred_.empty() || inflight_ >= limit || GoneLocked()) {
           submitting_ = false;
           return;
         }
-        s = deferred_.front();
-        deferred_.pop_front();
-        ++inflight_;  // before Submit: StepDone may run before Submit returns
+        submit_.clear();
+        while (!deferred_.empty() && inflight_ < limit) {
+          Slot* s = deferred_.front();
+          deferred_.pop_front();
+          ++inflight_;  // before SubmitBatch: StepDone may run before it returns
+          s->accepted = true;
+          submit_.push_back(s);
+        }
       }
-      s->accepted = true;
-      absl::Status st = service_->engine()->Submit(s);
-      if (!st.ok()) {
+      const int n = static_cast<int>(submit_.size());
+      if (static_cast<int>(statuses_.size()) < n) statuses_.resize(static_cast<size_t>(n));
+      const absl::Time now = absl::Now();
+      for (engine::DecodeStep* s : submit_) static_cast<Slot*>(s)->submitted = now;
+      service_->engine()->SubmitBatch(submit_.data(), n, statuses_.data());
+      for (int i = 0; i < n; ++i) {
+        if (statuses_[i].ok()) continue;
+        Slot* s = static_cast<Slot*>(submit_[i]);
         s->accepted = false;
-        SetError(s, st);
+        SetError(s, statuses_[i]);
         absl::MutexLock l(&mu_);
         --inflight_;
-        done_.push_back(s);
+        AnsweredLocked(s);
       }
     }
   }
@@ -631,12 +742,19 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The read side is touched only between StartRead and the end of OnReadDone.
   grpc::ByteBuffer read_buf_;
   std::vector<Slot*> batch_;  // slots taken for the message being read
+  // The submitting thread's (submitting_): one SubmitBatch's steps and answers.
+  std::vector<engine::DecodeStep*> submit_;
+  std::vector<absl::Status> statuses_;
 
   absl::Mutex mu_;
   std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);  // owned; spare slots
   std::vector<Slot*> done_ ABSL_GUARDED_BY(mu_);  // owned; answered, waiting for a write
   std::deque<Slot*> deferred_ ABSL_GUARDED_BY(mu_);  // owned; valid, not yet given to the engine
   bool submitting_ ABSL_GUARDED_BY(mu_) = false;     // a thread is in SubmitDeferred
+  std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);   // ring of messages not yet flushed
+  size_t group_head_ ABSL_GUARDED_BY(mu_) = 0, group_count_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_group_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;  // answered, waiting for the rest of their message
   // The one outstanding write; filled under mu_, read by gRPC until OnWriteDone.
   grpc::ByteBuffer write_buf_;
   size_t write_results_ ABSL_GUARDED_BY(mu_) = 0;

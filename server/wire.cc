@@ -22,8 +22,9 @@ constexpr int kLen = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
 // DecodeRequest / DecodeStep / StepResult / AppendKvRequest field numbers.
 constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
-              kStepTimeoutMs = 7;
-constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5;
+              kStepTimeoutMs = 7, kStepTrace = 8;
+constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
+              kResultTiming = 6;
 constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3;
 
 absl::Status Malformed(const CodedInputStream& in, absl::string_view what) {
@@ -63,6 +64,7 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
   out->layer = 0;
   out->causal = false;
   out->timeout_ms = 0;
+  out->trace = false;
   out->sequence_id_bytes = out->q_bytes = out->kv_bytes = 0;
   out->sequence_id->clear();
   out->q->clear();
@@ -70,13 +72,14 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
   return ReadFields(in, [&](int field, int type, bool* handled) {
     uint64_t v = 0;
     if (type == kVarint && (field == kStepRequestId || field == kStepLayer || field == kStepCausal ||
-                            field == kStepTimeoutMs)) {
+                            field == kStepTimeoutMs || field == kStepTrace)) {
       *handled = true;
       if (!in->ReadVarint64(&v)) return false;
       if (field == kStepRequestId) out->request_id = v;
       if (field == kStepLayer) out->layer = static_cast<int32_t>(v);  // protobuf's int32 truncation
       if (field == kStepCausal) out->causal = v != 0;
       if (field == kStepTimeoutMs) out->timeout_ms = static_cast<uint32_t>(v);
+      if (field == kStepTrace) out->trace = v != 0;
       return true;
     }
     if (type == kLen && (field == kStepSequenceId || field == kStepQ || field == kStepKv)) {
@@ -105,8 +108,28 @@ size_t BytesFieldSize(const std::string* s) {
   return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(s->size())) + s->size();
 }
 
+// The StepTiming fields in order; zero ones are left out, as protobuf does.
+void TimingFields(const Timing& t, int64_t (&v)[8]) {
+  const int64_t f[8] = {t.received_us, t.parsed_us,   t.submitted_us, t.batched_us,
+                        t.launched_us, t.finished_us, t.completed_us, t.response_us};
+  for (int i = 0; i < 8; ++i) v[i] = f[i];
+}
+
+size_t TimingBodySize(const Timing& t) {
+  int64_t v[8];
+  TimingFields(t, v);
+  size_t n = 0;
+  for (int64_t x : v)
+    if (x != 0) n += 1 + CodedOutputStream::VarintSize64(static_cast<uint64_t>(x));
+  return n;
+}
+
 size_t ResultBodySize(const ResultView& r) {
   size_t n = 0;
+  if (r.timing != nullptr) {
+    const size_t t = TimingBodySize(*r.timing);
+    n += 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(t)) + t;
+  }
   if (r.request_id != 0) n += 1 + CodedOutputStream::VarintSize64(r.request_id);
   n += BytesFieldSize(r.out) + BytesFieldSize(r.lse) + BytesFieldSize(r.message);
   if (r.code != 0) n += 1 + CodedOutputStream::VarintSize64(static_cast<uint64_t>(static_cast<int64_t>(r.code)));
@@ -206,7 +229,20 @@ uint8_t* EncodeResult(const ResultView& r, uint8_t* p) {
     p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultCode, WireFormatLite::WIRETYPE_VARINT), p);
     p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(static_cast<int64_t>(r.code)), p);
   }
-  return WriteBytesField(kResultMessage, r.message, p);
+  p = WriteBytesField(kResultMessage, r.message, p);
+  if (r.timing != nullptr) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultTiming, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+                                           p);
+    p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(TimingBodySize(*r.timing)), p);
+    int64_t v[8];
+    TimingFields(*r.timing, v);
+    for (int i = 0; i < 8; ++i) {
+      if (v[i] == 0) continue;
+      p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(i + 1, WireFormatLite::WIRETYPE_VARINT), p);
+      p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(v[i]), p);
+    }
+  }
+  return p;
 }
 
 }  // namespace latentd::server::wire

@@ -28,6 +28,7 @@ struct StepFields {
   int32_t layer = 0;
   bool causal = false;
   uint32_t timeout_ms = 0;
+  bool trace = false;
   // Sizes on the wire; a field over its bound is not copied (its string stays empty).
   int64_t sequence_id_bytes = 0, q_bytes = 0, kv_bytes = 0;
   std::string* sequence_id = nullptr;
@@ -63,6 +64,12 @@ struct AppendFields {
 absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* in, int64_t max_id_bytes,
                                  AppendFields* out);
 
+// StepTiming (proto/latentd.proto), microseconds since the Unix epoch.
+struct Timing {
+  int64_t received_us = 0, parsed_us = 0, submitted_us = 0, batched_us = 0, launched_us = 0, finished_us = 0,
+          completed_us = 0, response_us = 0;
+};
+
 // A StepResult to serialize; views into the caller's buffers.
 struct ResultView {
   uint64_t request_id = 0;
@@ -70,6 +77,7 @@ struct ResultView {
   const std::string* lse = nullptr;
   int32_t code = 0;
   const std::string* message = nullptr;
+  const Timing* timing = nullptr;  // written when set
 };
 
 // Bytes the result takes inside a DecodeResponse (tag and length prefix included).

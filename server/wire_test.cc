@@ -192,6 +192,59 @@ TEST(WireTest, ResultsParseAsDecodeResponse) {
   EXPECT_EQ(resp.results(2).request_id(), 5u);
 }
 
+TEST(WireTest, TimingRoundTripsAndTraceIsRead) {
+  std::string out(64, 'o'), lse(8, 'l');
+  Timing t;
+  t.received_us = 1'700'000'000'000'001;
+  t.parsed_us = t.received_us + 3;
+  t.batched_us = t.received_us + 300;  // submitted_us left zero: omitted on the wire
+  t.response_us = t.received_us + 9999;
+  ResultView r;
+  r.request_id = 9;
+  r.out = &out;
+  r.lse = &lse;
+  r.timing = &t;
+  std::string buf(EncodedResultSize(r), '\0');
+  ASSERT_EQ(EncodeResult(r, reinterpret_cast<uint8_t*>(&buf[0])), reinterpret_cast<uint8_t*>(&buf[0]) + buf.size());
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(buf));
+  ASSERT_EQ(resp.results_size(), 1);
+  const v1::StepTiming& pt = resp.results(0).timing();
+  EXPECT_EQ(pt.received_us(), t.received_us);
+  EXPECT_EQ(pt.parsed_us(), t.parsed_us);
+  EXPECT_EQ(pt.submitted_us(), 0);
+  EXPECT_EQ(pt.batched_us(), t.batched_us);
+  EXPECT_EQ(pt.response_us(), t.response_us);
+  EXPECT_EQ(resp.results(0).out(), out);
+  r.timing = nullptr;  // untraced results carry no timing at all
+  std::string plain(EncodedResultSize(r), '\0');
+  EncodeResult(r, reinterpret_cast<uint8_t*>(&plain[0]));
+  ASSERT_TRUE(resp.ParseFromString(plain));
+  EXPECT_FALSE(resp.results(0).has_timing());
+  EXPECT_LT(plain.size(), buf.size());
+
+  v1::DecodeRequest req;
+  auto* s = req.add_steps();
+  s->set_request_id(1);
+  s->set_sequence_id("a");
+  s->set_trace(true);
+  req.add_steps()->set_request_id(2);
+  const std::string bytes = req.SerializeAsString();
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  std::string id, q, kv;
+  StepFields f;
+  f.sequence_id = &id;
+  f.q = &q;
+  f.kv = &kv;
+  StepBounds b;
+  b.max_q_bytes = b.max_kv_bytes = 1 << 20;
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_TRUE(f.trace);
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_FALSE(f.trace);  // reset for every step
+}
+
 TEST(WireTest, AppendKvRequest) {
   v1::AppendKvRequest req;
   req.set_sequence_id("abc");

@@ -109,6 +109,26 @@ absl::Status Harness::Submit(Pending* p) {
   return st;
 }
 
+absl::Status Harness::SubmitBatch(const std::vector<Pending*>& ps) {
+  {
+    absl::MutexLock lock(&mu_);
+    submitted_ += static_cast<int>(ps.size());
+  }
+  std::vector<DecodeStep*> steps;
+  for (Pending* p : ps) steps.push_back(&p->step);
+  std::vector<absl::Status> statuses(ps.size());
+  engine_->SubmitBatch(steps.data(), static_cast<int>(steps.size()), statuses.data());
+  absl::Status first;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (statuses[i].ok()) continue;
+    if (first.ok()) first = statuses[i];
+    Rollback(ps[i]);
+    absl::MutexLock lock(&mu_);
+    --submitted_;
+  }
+  return first;
+}
+
 void Harness::StepDone(DecodeStep* step, absl::Status status) {
   absl::MutexLock lock(&mu_);
   Pending* p = steps_[step->request_id].get();

@@ -48,6 +48,8 @@ class Harness : public StepCallback {
   Pending* MakeStep(const std::string& id, int layer, int s_q, bool causal);
   // Submits; on refusal, rolls the shadow back and returns the status.
   absl::Status Submit(Pending* p);
+  // Submits several through Engine::SubmitBatch; returns the first refusal, if any.
+  absl::Status SubmitBatch(const std::vector<Pending*>& ps);
   // Forgets that a step's rows were appended (for steps expected to fail in the engine).
   void Rollback(Pending* p);
 

@@ -1,0 +1,400 @@
+// latentd model-runner benchmark: R runners, each with B sequences over a prefix, step
+// L layers per token the way an attention-disaggregated model runner does: one
+// DecodeRequest of B steps per layer, wait for all B results, a barrier across runners,
+// next layer. Reports the per-layer round trip (p50/p90/p99), layer-steps/s, responses
+// per layer, and from the server's StepTiming where the round trip goes.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/client/client.h"
+#include "server/client/reference.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
+ABSL_FLAG(int, runners, 1, "concurrent model runners (R), one Decode stream each");
+ABSL_FLAG(int, batch, 64, "steps per message: sequences per runner (B)");
+ABSL_FLAG(int, layers, 4, "layers per token (L; at most the server's num_layers)");
+ABSL_FLAG(int, prefix_len, 4096, "prefix tokens uploaded per sequence and layer");
+ABSL_FLAG(int, tokens, 50, "measured tokens (each is L layer round trips per runner)");
+ABSL_FLAG(int, warmup_tokens, 5, "tokens run before measuring");
+ABSL_FLAG(int, s_q, 1, "query tokens per step");
+ABSL_FLAG(bool, causal, true, "causal masking for s_q > 1");
+ABSL_FLAG(int, check_every, 50, "check every Nth result against the CPU implementation (0: none)");
+ABSL_FLAG(bool, trace, true, "ask the server for StepTiming and print the breakdown");
+ABSL_FLAG(std::string, auth_token, "", "bearer token");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+
+namespace latentd::runner_bench {
+namespace {
+
+using client::Client;
+
+int64_t NowUs() { return absl::ToUnixMicros(absl::Now()); }
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    const uint64_t gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(l, [&] { return gen_ != gen; });
+  }
+
+ private:
+  const int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int waiting_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// Phases of one round trip, from the client's send to its receipt of the result.
+constexpr int kPhases = 9;
+const char* const kPhaseNames[kPhases] = {
+    "client send -> server read",    "parse + validate",        "wait for stream room",
+    "engine queue (batch window)",   "stage (append, pack)",    "launch -> results on host",
+    "wait for rest of message",      "response build + queue",  "server write -> client read"};
+
+struct Sample {
+  int64_t t[kPhases + 1];  // client send, the eight StepTiming stamps, client receipt
+};
+
+struct Check {
+  std::string id, q;
+  int layer;
+  int64_t end;
+  v1::StepResult result;
+};
+
+// Checks sampled results off the runners' threads.
+class Checker {
+ public:
+  Checker(client::Reference* ref, int s_q, bool causal) : ref_(ref), s_q_(s_q), causal_(causal) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~Checker() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Push(Check c) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      queue_.push_back(std::move(c));
+    }
+    cv_.notify_all();
+  }
+  // Waits until every pushed check has run.
+  void Flush() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return queue_.empty() && !busy_; });
+  }
+  uint64_t checked() const { return checked_; }
+  uint64_t mismatched() const { return mismatched_; }
+  std::string first_failure() {
+    std::lock_guard<std::mutex> l(mu_);
+    return first_failure_;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      Check c;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        c = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+      }
+      absl::Status st = ref_->Check(c.id, c.layer, c.end, c.q, s_q_, causal_, c.result);
+      ++checked_;
+      std::lock_guard<std::mutex> l(mu_);
+      if (!st.ok()) {
+        ++mismatched_;
+        if (first_failure_.empty()) first_failure_ = c.id + ": " + st.ToString();
+      }
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+  client::Reference* ref_;
+  const int s_q_;
+  const bool causal_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Check> queue_;
+  std::string first_failure_;
+  std::atomic<uint64_t> checked_{0}, mismatched_{0};
+  bool stop_ = false, busy_ = false;
+  std::thread thread_;
+};
+
+struct RunnerStats {
+  std::vector<double> layer_us;
+  std::vector<Sample> samples;
+  uint64_t responses = 0, layers = 0, failed = 0;
+  std::string first_error;
+};
+
+int Main() {
+  client::ClientOptions co;
+  co.target = absl::GetFlag(FLAGS_target);
+  co.auth_token = absl::GetFlag(FLAGS_auth_token);
+  auto connected = Client::Connect(co);
+  if (!connected.ok()) {
+    std::fprintf(stderr, "runner_bench: %s\n", connected.status().ToString().c_str());
+    return 2;
+  }
+  std::unique_ptr<Client> c = std::move(*connected);
+  const v1::ServerInfo info = c->info();
+  const client::Shape shape = c->shape();
+  const kernels::DType dtype = client::DTypeOf(info);
+  const int R = std::max(1, absl::GetFlag(FLAGS_runners));
+  const int B = std::max(1, absl::GetFlag(FLAGS_batch));
+  const int L = std::min(std::max(1, absl::GetFlag(FLAGS_layers)), info.num_layers());
+  const int prefix = absl::GetFlag(FLAGS_prefix_len);
+  const int tokens = absl::GetFlag(FLAGS_tokens), warmup = absl::GetFlag(FLAGS_warmup_tokens);
+  const int s_q = absl::GetFlag(FLAGS_s_q);
+  const bool causal = absl::GetFlag(FLAGS_causal);
+  const int check_every = absl::GetFlag(FLAGS_check_every);
+  const bool trace = absl::GetFlag(FLAGS_trace);
+  if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
+    std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
+    return 2;
+  }
+  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens\n",
+              co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
+              dtype == kernels::DType::kBF16 ? "bf16" : "fp16", R, B, L, s_q, prefix, tokens);
+  std::fflush(stdout);
+
+  client::Reference ref(info, 4);
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  // Pools of random inputs, reused across steps (the server cannot tell).
+  constexpr int kPool = 16;
+  std::vector<std::string> q_pool, kv_pool;
+  for (int i = 0; i < kPool; ++i) {
+    q_pool.push_back(client::RandomHalves(rng, static_cast<size_t>(shape.QBytes(s_q) / 2), dtype));
+    kv_pool.push_back(client::RandomHalves(rng, static_cast<size_t>(shape.KvBytes(s_q) / 2), dtype));
+  }
+
+  // Setup: R * B sequences, each with `prefix` rows on every driven layer.
+  std::vector<std::vector<std::string>> ids(R, std::vector<std::string>(B));
+  std::string prefix_rows = client::RandomHalves(rng, static_cast<size_t>(shape.KvBytes(prefix) / 2), dtype);
+  const absl::Time setup_start = absl::Now();
+  {
+    std::vector<std::thread> threads;
+    std::atomic<bool> failed{false};
+    for (int r = 0; r < R; ++r)
+      threads.emplace_back([&, r] {
+        for (int b = 0; b < B && !failed; ++b) {
+          auto id = c->CreateSequence();
+          if (!id.ok()) {
+            std::fprintf(stderr, "runner_bench: CreateSequence: %s\n", id.status().ToString().c_str());
+            failed = true;
+            return;
+          }
+          ids[r][b] = *id;
+          std::vector<absl::string_view> per_layer(static_cast<size_t>(L), prefix_rows);
+          if (prefix > 0) {
+            auto up = c->AppendKvLayers(*id, per_layer);
+            if (!up.ok()) {
+              std::fprintf(stderr, "runner_bench: AppendKv: %s\n", up.status().ToString().c_str());
+              failed = true;
+              return;
+            }
+          }
+          for (int l = 0; l < L; ++l) ref.Append(*id, l, prefix_rows);
+        }
+      });
+    for (auto& t : threads) t.join();
+    if (failed) return 1;
+  }
+  std::printf("setup: %d sequences x %d layers x %d rows in %.1f s\n", R * B, L, prefix,
+              absl::ToDoubleSeconds(absl::Now() - setup_start));
+  std::fflush(stdout);
+
+  Checker checker(&ref, s_q, causal);
+  Barrier barrier(R);
+  std::vector<RunnerStats> stats(R);
+  std::atomic<uint64_t> result_counter{0};
+  absl::Time measure_start;
+  std::mutex measure_mu;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r)
+    threads.emplace_back([&, r] {
+      RunnerStats& st = stats[r];
+      auto stream = c->OpenDecodeStream();
+      std::vector<int64_t> length(static_cast<size_t>(B) * L, prefix);
+      std::vector<int> q_of(static_cast<size_t>(B));
+      uint64_t next_id = 1;
+      bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
+      v1::DecodeRequest req;
+      for (int b = 0; b < B; ++b) {
+        v1::DecodeStep* s = req.add_steps();
+        s->set_sequence_id(ids[r][b]);
+        s->set_causal(causal);
+        s->set_trace(trace);
+      }
+      for (int tok = 0; tok < warmup + tokens; ++tok) {
+        if (tok == warmup) {
+          barrier.Wait();
+          std::lock_guard<std::mutex> l(measure_mu);
+          if (measure_start == absl::Time()) measure_start = absl::Now();
+        }
+        const bool measured = tok >= warmup;
+        for (int l = 0; l < L; ++l) {
+          if (broken) {
+            barrier.Wait();
+            continue;
+          }
+          std::map<uint64_t, int> index;  // request_id -> b
+          for (int b = 0; b < B; ++b) {
+            v1::DecodeStep* s = req.mutable_steps(b);
+            const int qi = static_cast<int>((next_id * 7 + b) % kPool);
+            q_of[b] = qi;
+            s->set_request_id(next_id);
+            s->set_layer(l);
+            s->set_q(q_pool[qi]);
+            s->set_kv(kv_pool[(qi + 3) % kPool]);
+            index[next_id++] = b;
+          }
+          const int64_t sent = NowUs();
+          if (!stream->Write(req)) {
+            st.first_error = "stream write failed";
+            st.failed += B;
+            broken = true;
+            barrier.Wait();
+            continue;
+          }
+          int got = 0;
+          v1::DecodeResponse resp;
+          while (got < B && stream->Read(&resp)) {
+            const int64_t received = NowUs();
+            if (measured) ++st.responses;
+            for (v1::StepResult& res : *resp.mutable_results()) {
+              auto it = index.find(res.request_id());
+              if (it == index.end()) continue;
+              const int b = it->second;
+              ++got;
+              const size_t key = static_cast<size_t>(b) * L + l;
+              if (res.code() != 0) {
+                ++st.failed;
+                if (st.first_error.empty()) st.first_error = absl::StrCat("code ", res.code(), ": ", res.message());
+                continue;
+              }
+              length[key] += s_q;
+              ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
+              if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0)
+                checker.Push({ids[r][b], q_pool[q_of[b]], l, length[key], res});
+              if (measured && res.has_timing()) {
+                const v1::StepTiming& t = res.timing();
+                st.samples.push_back({{sent, t.received_us(), t.parsed_us(), t.submitted_us(), t.batched_us(),
+                                       t.launched_us(), t.finished_us(), t.completed_us(), t.response_us(),
+                                       received}});
+              }
+            }
+          }
+          if (got < B) {
+            st.first_error = absl::StrCat("stream ended with ", got, " of ", B, " results");
+            st.failed += B - got;
+            broken = true;
+          }
+          if (measured && !broken) {
+            st.layer_us.push_back(static_cast<double>(NowUs() - sent));
+            ++st.layers;
+          }
+          barrier.Wait();
+        }
+      }
+      if (broken) stream->Cancel();
+      stream->WritesDone();
+      v1::DecodeResponse drain;
+      while (stream->Read(&drain)) {
+      }
+      stream->Finish();
+    });
+  for (auto& t : threads) t.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - measure_start);
+
+  std::vector<double> all_layers;
+  std::vector<Sample> samples;
+  uint64_t responses = 0, layer_count = 0, failed = 0;
+  std::string first_error;
+  for (auto& st : stats) {
+    all_layers.insert(all_layers.end(), st.layer_us.begin(), st.layer_us.end());
+    samples.insert(samples.end(), st.samples.begin(), st.samples.end());
+    responses += st.responses;
+    layer_count += st.layers;
+    failed += st.failed;
+    if (first_error.empty()) first_error = st.first_error;
+  }
+  std::printf("per-layer round trip: p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  (%zu layers)\n",
+              Percentile(all_layers, 0.5) / 1e3, Percentile(all_layers, 0.9) / 1e3, Percentile(all_layers, 0.99) / 1e3,
+              all_layers.size());
+  std::printf("layer-steps/s: %.0f  responses per layer: %.2f  failed steps: %lu\n",
+              static_cast<double>(layer_count) * B / std::max(seconds, 1e-9),
+              layer_count ? static_cast<double>(responses) / static_cast<double>(layer_count) : 0.0,
+              static_cast<unsigned long>(failed));
+  if (!samples.empty()) {
+    std::printf("server-side breakdown (median over %zu steps, microseconds):\n", samples.size());
+    double sum = 0;
+    for (int p = 0; p < kPhases; ++p) {
+      std::vector<double> d;
+      d.reserve(samples.size());
+      for (const Sample& s : samples)
+        if (s.t[p] != 0 && s.t[p + 1] != 0) d.push_back(static_cast<double>(s.t[p + 1] - s.t[p]));
+      const double med = Percentile(d, 0.5);
+      sum += med;
+      std::printf("  %-32s %9.1f\n", kPhaseNames[p], med);
+    }
+    std::printf("  %-32s %9.1f\n", "sum of medians", sum);
+  }
+  checker.Flush();
+  std::printf("checked %lu results, mismatched %lu\n", static_cast<unsigned long>(checker.checked()),
+              static_cast<unsigned long>(checker.mismatched()));
+  if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
+  if (const std::string ff = checker.first_failure(); !ff.empty()) std::printf("first mismatch: %s\n", ff.c_str());
+  return (failed > 0 || checker.mismatched() > 0) ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace latentd::runner_bench
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("latentd model-runner benchmark: per-layer round trips of B steps per message");
+  absl::ParseCommandLine(argc, argv);
+  return latentd::runner_bench::Main();
+}
