@@ -227,5 +227,56 @@ TEST(DecodeFlowControlTest, StreamBeyondItsInflightLimit) {
   for (const auto& [id, r] : *results) EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
 }
 
+// One DecodeRequest is one unit: its results (an invalid step's included) come back in
+// one response once all are answered, and traced steps carry the server's timestamps
+// in order.
+TEST(DecodeMessageTest, ResultsOfAMessageComeBackTogether) {
+  Daemon daemon({"--num_layers=2", "--batch_window_us=0"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 12; ++i) {
+    auto s = tracker.NewSequence({30 + 20 * i, 5 + i});
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
+  }
+  auto stream = (*c)->OpenDecodeStream();
+  for (int round = 0; round < 3; ++round) {
+    v1::DecodeRequest req;
+    for (int i = 0; i < 12; ++i) {
+      *req.add_steps() = tracker.Step(seqs[i], round % 2, 1 + (i % 2), i % 3 == 0);
+      req.mutable_steps(i)->set_trace(true);
+    }
+    v1::DecodeStep* bad = req.add_steps();  // answered at once, but sent with the rest
+    bad->set_request_id(999000 + round);
+    bad->set_sequence_id(seqs[0]);
+    bad->set_layer(7);
+    ASSERT_TRUE(stream->Write(req));
+    v1::DecodeResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    ASSERT_EQ(resp.results_size(), 13) << "round " << round << ": the message's results were split";
+    for (const v1::StepResult& r : resp.results()) {
+      if (r.request_id() == 999000u + round) {
+        EXPECT_EQ(r.code(), 3) << r.message();
+        EXPECT_NE(r.message().find("layer"), std::string::npos) << r.message();
+        continue;
+      }
+      ASSERT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+      ASSERT_TRUE(r.has_timing());
+      const v1::StepTiming& t = r.timing();
+      const int64_t stamps[] = {t.received_us(), t.parsed_us(),   t.submitted_us(), t.batched_us(),
+                                t.launched_us(), t.finished_us(), t.completed_us(), t.response_us()};
+      for (int k = 0; k < 8; ++k) EXPECT_GT(stamps[k], 0) << "stamp " << k;
+      for (int k = 1; k < 8; ++k) EXPECT_LE(stamps[k - 1], stamps[k]) << "stamp " << k;
+    }
+  }
+  stream->WritesDone();
+  v1::DecodeResponse extra;
+  EXPECT_FALSE(stream->Read(&extra));
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 }  // namespace
 }  // namespace latentd::testing

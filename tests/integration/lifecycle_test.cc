@@ -230,11 +230,16 @@ TEST(LifecycleTest, StreamWhoseClientStopsReadingIsCancelled) {
 
   auto stream = (*c)->OpenDecodeStream();
   constexpr int kSteps = 400;  // about 50 MiB of results
+  int sent = 0;
   for (int i = 0; i < kSteps; i += 10) {
     v1::DecodeRequest req;
     for (int j = 0; j < 10; ++j) *req.add_steps() = tracker.Step(*stalled_seq, 0);
-    ASSERT_TRUE(stream->Write(req));
+    // On a slow host the server may cancel the stream while this is still blocked in a
+    // write (flow control): the write then fails, which is the cancellation below.
+    if (!stream->Write(req)) break;
+    sent += 10;
   }
+  ASSERT_GT(sent, 0);
   // Read nothing. Within a few seconds the server gives up on the stream.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (!absl::StrContains(daemon.Log(), "cancelled 1 Decode streams") && absl::Now() < deadline)
@@ -243,7 +248,7 @@ TEST(LifecycleTest, StreamWhoseClientStopsReadingIsCancelled) {
   v1::DecodeResponse resp;
   int results = 0;
   while (stream->Read(&resp)) results += resp.results_size();
-  EXPECT_LT(results, kSteps);
+  EXPECT_LT(results, sent);
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
 
   // Everyone else is served as before, and the stream's resources are gone.
