@@ -31,7 +31,7 @@ for name in "$@"; do
         r=${c%:*}; b=${c#*:}
         echo "--- runner_bench R=$r B=$b"
         "$bundle/run" runner_bench --target=127.0.0.1:$port --runners=$r --batch=$b --layers=4 \
-          --prefix_len=4096 --tokens=$tokens --warmup_tokens=5 --check_every=50
+          --prefix_len=4096 --tokens=$tokens --warmup_tokens=5 --check_every=$(( hq == 128 ? 400 : 50 ))
       done
       if [[ $hq == 16 && $loadgen_s != 0 ]]; then
         echo "--- loadgen 64 streams x 1 step"

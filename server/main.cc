@@ -94,6 +94,12 @@ ABSL_FLAG(int, max_streams_per_connection, 1024,
 ABSL_FLAG(int64_t, max_upload_bytes, int64_t{256} << 20,
           "AppendKv bytes received and not yet applied, over all streams; beyond it the upload fails "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_region_bytes, int64_t{1} << 30,
+          "largest shared region one Decode stream may open (same-host data plane); larger requests fail "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_region_total_bytes, int64_t{8} << 30,
+          "shared regions mapped for all open Decode streams together; beyond it opening one fails "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
           "memory gRPC may use for its own buffers (connections, messages being received); a ResourceQuota");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
@@ -324,6 +330,10 @@ int Run() {
   if (so.max_inflight_bytes < (int64_t{1} << 20)) return Fail("--max_inflight_bytes: expected at least 1 MiB");
   if (so.max_streams < 1) return Fail("--max_streams: expected at least 1");
   if (so.max_upload_bytes < 1) return Fail("--max_upload_bytes: expected at least 1");
+  so.max_region_bytes = absl::GetFlag(FLAGS_max_region_bytes);
+  so.max_region_total_bytes = absl::GetFlag(FLAGS_max_region_total_bytes);
+  if (so.max_region_bytes < 0) return Fail("--max_region_bytes: expected >= 0 (0: no shared regions)");
+  if (so.max_region_total_bytes < 0) return Fail("--max_region_total_bytes: expected >= 0");
   const int max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   if (max_streams_per_connection < 1) return Fail("--max_streams_per_connection: expected at least 1");
   const int64_t grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);

@@ -142,6 +142,11 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
                       static_cast<double>(c.open_calls)));
   out.push_back(Gauge("latentd_inflight_bytes", "Step buffers (inputs and results) held for all Decode streams.",
                       static_cast<double>(c.inflight_bytes)));
+  out.push_back(Gauge("latentd_shared_region_bytes",
+                      "Shared-memory regions mapped for open Decode streams (same-host data plane).",
+                      static_cast<double>(c.region_bytes)));
+  out.push_back(Gauge("latentd_shared_regions", "Open Decode streams with a shared-memory region.",
+                      static_cast<double>(c.regions)));
   out.push_back(Gauge("latentd_upload_bytes", "AppendKv bytes received and not yet applied to the KV cache.",
                       static_cast<double>(c.upload_bytes)));
 
@@ -160,6 +165,7 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
         {"inflight_bytes", c.refused_steps_bytes},
         {"message", c.refused_messages},
         {"upload", c.refused_uploads},
+        {"region", c.refused_regions},
     };
     for (const auto& [reason, value] : reasons) {
       f.metric.push_back(Labelled({{"reason", reason}}));

@@ -5,10 +5,14 @@
 // allocates one buffer per response and nothing per step.
 #include "server/service.h"
 
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -278,6 +282,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     uint64_t group = 0;            // the message it came in (Group::id)
     Slot* group_next = nullptr;    // answered steps of its message, waiting for the rest
     bool trace = false;            // DecodeStep.trace: send StepTiming back
+    bool in_region = false;        // tensors in the stream's shared region, not in the buffers
     absl::Time received, parsed, submitted, completed;
     wire::Timing timing;           // filled when the response is built
   };
@@ -329,7 +334,15 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       for (Slot* s : done_) RecycleLocked(s);
       done_.clear();
     }
-    if (!writing_ && !done_.empty()) {
+    if (!writing_ && !region_reply_.empty() && !gone) {
+      grpc::Slice slice(region_reply_);
+      write_buf_ = grpc::ByteBuffer(&slice, 1);
+      std::string().swap(region_reply_);
+      write_results_ = 0;
+      writing_ = true;
+      write_started_ = absl::Now();
+      p.write = true;
+    } else if (!writing_ && !done_.empty()) {
       FillResponseLocked();
       writing_ = true;
       write_started_ = absl::Now();
@@ -343,7 +356,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     if (p.read || p.write) ++starting_;
     const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
-                      !submitting_ && !processing_;
+                      !submitting_ && !processing_ && (region_reply_.empty() || gone);
     const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
     if (idle && over && starting_ == 0 && !cancelling_) {
       finished_ = true;
@@ -383,8 +396,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     v.request_id = s->request_id;
     v.code = s->code;
     if (s->code == 0) {
-      v.out = &s->out_buf;
-      v.lse = &s->lse_buf;
+      if (!s->in_region) {  // region steps' results are already in place
+        v.out = &s->out_buf;
+        v.lse = &s->lse_buf;
+      }
     } else {
       v.message = &s->message;
     }
@@ -541,7 +556,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     int count = 0;
     {
       grpc::ProtoBufferReader reader(&read_buf_);
-      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message);
+      uint64_t open_region = 0;
+      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message, &open_region);
       if (!n.ok()) return SetFatal(grpc::StatusCode::INVALID_ARGUMENT, n.status().message());
       if (*n > o.max_steps_per_message) {
         return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -549,6 +565,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                      " steps in one message (--max_steps_per_message); send fewer per message"));
       }
       count = *n;
+      if (open_region > 0) {
+        grpc::Status st = OpenRegion(open_region);
+        if (!st.ok()) return SetFatal(st.error_code(), st.error_message());
+      }
     }
     {
       absl::MutexLock l(&mu_);
@@ -587,9 +607,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->trace = f.trace;
       slot->received = received;
       slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
-      absl::Status st = Validate(f, read, sh);
+      absl::Status st = f.has_region ? ValidateRegion(f, read, sh) : Validate(f, read, sh);
       int64_t extra = 0;  // the results' buffers, sized in Prepare
-      if (st.ok()) {
+      if (st.ok() && !f.has_region) {
         const int64_t s_q = f.q_bytes / sh.q_row_bytes;
         extra = std::max<int64_t>(0, s_q * sh.out_row_bytes - static_cast<int64_t>(slot->out_buf.capacity())) +
                 std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity()));
@@ -630,17 +650,25 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Fills the engine's fields of a valid, charged step.
   void Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
-    const int s_q = static_cast<int>(f.q_bytes / sh.q_row_bytes);
+    const int s_q = f.has_region ? static_cast<int>(f.region_s_q) : static_cast<int>(f.q_bytes / sh.q_row_bytes);
     slot->layer = f.layer;
     slot->s_q = s_q;
     slot->causal = f.causal;
     slot->flow = flow_;
-    slot->q = slot->q_buf;
-    slot->kv = slot->kv_buf;
-    slot->out_buf.resize(static_cast<size_t>(s_q * sh.out_row_bytes));
-    slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
-    slot->out = &slot->out_buf[0];
-    slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
+    slot->in_region = f.has_region;
+    if (f.has_region) {  // bounds and alignment checked in ValidateRegion
+      slot->q = absl::string_view(region_ + f.q_offset, static_cast<size_t>(s_q * sh.q_row_bytes));
+      slot->kv = absl::string_view(region_ + f.kv_offset, static_cast<size_t>(s_q * sh.kv_row_bytes));
+      slot->out = region_ + f.out_offset;
+      slot->lse = reinterpret_cast<float*>(region_ + f.lse_offset);
+    } else {
+      slot->q = slot->q_buf;
+      slot->kv = slot->kv_buf;
+      slot->out_buf.resize(static_cast<size_t>(s_q * sh.out_row_bytes));
+      slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
+      slot->out = &slot->out_buf[0];
+      slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
+    }
     slot->deadline =
         f.timeout_ms > 0 ? absl::Now() + absl::Milliseconds(f.timeout_ms) : absl::InfiniteFuture();
     slot->cancelled = &cancelled_;
@@ -724,12 +752,105 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                 st.message()));
   }
 
+  // Same-host data plane: a sealed memory file of `bytes` bytes (it can neither shrink,
+  // which would make the server's reads fault, nor grow), mapped here for the stream's
+  // life and opened by the client through /proc/<pid>/fd/<fd>. Read side only.
+  grpc::Status OpenRegion(uint64_t bytes) {
+    const ServiceOptions& o = service_->options();
+    if (region_ != nullptr) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "DecodeRequest.open_region_bytes: this stream already has a shared region; open one per stream");
+    }
+    if (bytes > static_cast<uint64_t>(o.max_region_bytes)) {
+      service_->refused_regions_.fetch_add(1, std::memory_order_relaxed);
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_region_bytes: ", bytes, " bytes is over --max_region_bytes=",
+                                       o.max_region_bytes));
+    }
+    if (!service_->ChargeRegion(static_cast<int64_t>(bytes))) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_region_bytes: shared regions of all streams are at "
+                                       "--max_region_total_bytes=",
+                                       o.max_region_total_bytes, "; retry later or ask for less"));
+    }
+    const int fd = memfd_create("latentd-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    void* map = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
+      map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (map == MAP_FAILED) {
+      const int err = errno;
+      if (fd >= 0) close(fd);
+      service_->ReleaseRegion(static_cast<int64_t>(bytes));
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_region_bytes: cannot make a shared region of ", bytes,
+                                       " bytes: ", strerror(err)));
+    }
+    region_fd_ = fd;
+    region_ = static_cast<char*>(map);
+    region_bytes_ = bytes;
+    absl::MutexLock l(&mu_);
+    region_reply_ = wire::EncodeRegionResponse(absl::StrCat("/proc/", getpid(), "/fd/", fd), bytes);
+    return grpc::Status::OK;
+  }
+
+  // A step whose tensors are in the region: every tensor inside it and aligned.
+  absl::Status ValidateRegion(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) const {
+    absl::Status st;
+    if (in.sequence_id_bytes > 128) {
+      st = absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
+                                                   " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
+    } else {
+      st = CheckIdField("sequence_id", *in.sequence_id, false);
+    }
+    if (st.ok()) st = CheckLayer("layer", in.layer, sh.num_layers);
+    if (st.ok() && region_ == nullptr) {
+      st = absl::InvalidArgumentError(
+          "region: this stream has no shared region; send DecodeRequest.open_region_bytes first");
+    }
+    if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
+      st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
+    }
+    if (st.ok() && (in.region_s_q < 1 || in.region_s_q > static_cast<uint32_t>(sh.max_s_q))) {
+      st = absl::InvalidArgumentError(
+          absl::StrCat("region.s_q: ", in.region_s_q, "; expected 1 <= s_q <= ", sh.max_s_q));
+    }
+    const uint64_t s_q = in.region_s_q;
+    struct Tensor {
+      const char* name;
+      uint64_t offset, bytes, align;
+    };
+    const Tensor tensors[] = {
+        {"region.q_offset", in.q_offset, s_q * static_cast<uint64_t>(sh.q_row_bytes), 2},
+        {"region.kv_offset", in.kv_offset, s_q * static_cast<uint64_t>(sh.kv_row_bytes), 2},
+        {"region.out_offset", in.out_offset, s_q * static_cast<uint64_t>(sh.out_row_bytes), 2},
+        {"region.lse_offset", in.lse_offset, s_q * static_cast<uint64_t>(sh.lse_row_bytes), 4},
+    };
+    for (const Tensor& t : tensors) {
+      if (!st.ok()) break;
+      if (t.offset > region_bytes_ || t.bytes > region_bytes_ - t.offset || t.offset % t.align != 0) {
+        st = absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.offset, " (", t.bytes,
+                                                     " bytes); expected a multiple of ", t.align, " with offset + ",
+                                                     t.bytes, " <= the region's ", region_bytes_, " bytes"));
+      }
+    }
+    if (st.ok()) return st;
+    return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id, ").",
+                                                st.message()));
+  }
+
   ~DecodeReactor() override {
     // Every slot is in free_, done_ or deferred_ by now (nothing in flight once Finish
     // was decided).
     for (Slot* s : free_) DeleteSlot(s);
     for (Slot* s : deferred_) DeleteSlot(s);
     for (Slot* s : done_) DeleteSlot(s);
+    if (region_ != nullptr) {  // no step reads or writes it any more
+      munmap(region_, region_bytes_);
+      close(region_fd_);
+      service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
+    }
   }
 
   DecodeServiceImpl* const service_;
@@ -742,6 +863,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The read side is touched only between StartRead and the end of OnReadDone.
   grpc::ByteBuffer read_buf_;
   std::vector<Slot*> batch_;  // slots taken for the message being read
+  // The shared region (same-host data plane): set on the read side, read by steps in
+  // flight, unmapped in the destructor.
+  int region_fd_ = -1;
+  char* region_ = nullptr;
+  uint64_t region_bytes_ = 0;
   // The submitting thread's (submitting_): one SubmitBatch's steps and answers.
   std::vector<engine::DecodeStep*> submit_;
   std::vector<absl::Status> statuses_;
@@ -758,6 +884,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The one outstanding write; filled under mu_, read by gRPC until OnWriteDone.
   grpc::ByteBuffer write_buf_;
   size_t write_results_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string region_reply_ ABSL_GUARDED_BY(mu_);  // the region's answer, written first
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted by the engine, not yet done
   int starting_ ABSL_GUARDED_BY(mu_) = 0;      // Start* calls decided and not yet issued
   grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
@@ -946,6 +1073,16 @@ bool DecodeServiceImpl::OpenCall() {
   return true;
 }
 
+bool DecodeServiceImpl::ChargeRegion(int64_t bytes) {
+  if (region_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes > options_.max_region_total_bytes) {
+    region_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+    refused_regions_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  regions_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
   if (inflight_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes > options_.max_inflight_bytes) {
     inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
@@ -966,6 +1103,9 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   c.refused_steps_bytes = refused_steps_bytes_.load(std::memory_order_relaxed);
   c.refused_messages = refused_messages_.load(std::memory_order_relaxed);
   c.refused_uploads = refused_uploads_.load(std::memory_order_relaxed);
+  c.region_bytes = region_bytes_.load(std::memory_order_relaxed);
+  c.regions = regions_.load(std::memory_order_relaxed);
+  c.refused_regions = refused_regions_.load(std::memory_order_relaxed);
   return c;
 }
 

@@ -40,6 +40,10 @@ struct ServiceOptions {
   // AppendKv message bytes received and not yet applied, over all streams.
   int64_t max_upload_bytes = int64_t{256} << 20;
   int64_t max_response_bytes = 2 << 20;  // coalesced results per DecodeResponse (soft cap)
+  // Same-host data plane: bytes of one stream's shared region, and of all streams'
+  // regions together (memory the daemon maps for clients).
+  int64_t max_region_bytes = int64_t{1} << 30;
+  int64_t max_region_total_bytes = int64_t{8} << 30;
   // Free step buffers a stream keeps once it has had nothing in flight for a while.
   int idle_stream_slots = 8;
   std::string version;
@@ -59,6 +63,9 @@ struct ServiceCounters {
   uint64_t refused_steps_bytes = 0;
   uint64_t refused_messages = 0;     // over max_steps_per_message or malformed
   uint64_t refused_uploads = 0;      // over max_upload_bytes
+  int64_t region_bytes = 0;          // shared regions mapped for open streams
+  int64_t regions = 0;
+  uint64_t refused_regions = 0;      // over max_region_bytes / max_region_total_bytes
 };
 
 // Maps an absl::Status onto the gRPC status with the same code and message.
@@ -150,6 +157,12 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // Charges bytes against max_inflight_bytes; false (nothing charged) when over it.
   bool ChargeInflight(int64_t bytes);
   void ReleaseInflight(int64_t bytes) { inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed); }
+  // Charges a new shared region against max_region_total_bytes; false when over it.
+  bool ChargeRegion(int64_t bytes);
+  void ReleaseRegion(int64_t bytes) {
+    region_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+    regions_.fetch_sub(1, std::memory_order_relaxed);
+  }
   // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
   template <typename Fn>
   void ForEachOpenStream(Fn fn);
@@ -166,6 +179,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<int64_t> open_calls_{0};
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<int64_t> upload_bytes_{0};
+  std::atomic<int64_t> region_bytes_{0}, regions_{0};
+  std::atomic<uint64_t> refused_regions_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},
       refused_messages_{0}, refused_uploads_{0};

@@ -22,7 +22,8 @@ constexpr int kLen = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
 // DecodeRequest / DecodeStep / StepResult / AppendKvRequest field numbers.
 constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
-              kStepTimeoutMs = 7, kStepTrace = 8;
+              kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
+constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
               kResultTiming = 6;
 constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3;
@@ -65,6 +66,9 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
   out->causal = false;
   out->timeout_ms = 0;
   out->trace = false;
+  out->has_region = false;
+  out->region_s_q = 0;
+  out->q_offset = out->kv_offset = out->out_offset = out->lse_offset = 0;
   out->sequence_id_bytes = out->q_bytes = out->kv_bytes = 0;
   out->sequence_id->clear();
   out->q->clear();
@@ -81,6 +85,27 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
       if (field == kStepTimeoutMs) out->timeout_ms = static_cast<uint32_t>(v);
       if (field == kStepTrace) out->trace = v != 0;
       return true;
+    }
+    if (type == kLen && field == kStepRegion) {
+      *handled = true;
+      uint32_t len = 0;
+      if (!in->ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return false;
+      const CodedInputStream::Limit limit = in->PushLimit(static_cast<int>(len));
+      out->has_region = true;
+      const bool ok = ReadFields(in, [&](int f, int t, bool* h) {
+        if (t != kVarint || f < 1 || f > 5) return true;
+        *h = true;
+        uint64_t x = 0;
+        if (!in->ReadVarint64(&x)) return false;
+        if (f == 1) out->region_s_q = x > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(x);
+        if (f == 2) out->q_offset = x;
+        if (f == 3) out->kv_offset = x;
+        if (f == 4) out->out_offset = x;
+        if (f == 5) out->lse_offset = x;
+        return true;
+      });
+      in->PopLimit(limit);
+      return ok;
     }
     if (type == kLen && (field == kStepSequenceId || field == kStepQ || field == kStepKv)) {
       *handled = true;
@@ -138,11 +163,20 @@ size_t ResultBodySize(const ResultView& r) {
 
 }  // namespace
 
-absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* stream, int limit) {
+absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* stream, int limit,
+                                     uint64_t* open_region_bytes) {
   CodedInputStream in(stream);
   Prepare(&in);
   int count = 0;
+  if (open_region_bytes != nullptr) *open_region_bytes = 0;
   const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
+    if (field == kRequestOpenRegion && type == kVarint) {
+      *handled = true;
+      uint64_t v = 0;
+      if (!in.ReadVarint64(&v)) return false;
+      if (open_region_bytes != nullptr) *open_region_bytes = v;
+      return true;
+    }
     if (field != kRequestSteps || type != kLen) return true;
     *handled = true;
     uint32_t len = 0;
@@ -208,6 +242,21 @@ absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* stre
   });
   if (!ok) return Malformed(in, "AppendKvRequest");
   return absl::OkStatus();
+}
+
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes) {
+  const size_t body = 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(path.size())) + path.size() + 1 +
+                      CodedOutputStream::VarintSize64(bytes);
+  std::string out(1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body, '\0');
+  uint8_t* p = reinterpret_cast<uint8_t*>(&out[0]);
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResponseRegion, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+                                         p);
+  p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(body), p);
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionPath, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
+  p = CodedOutputStream::WriteStringWithSizeToArray(path, p);
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionBytes, WireFormatLite::WIRETYPE_VARINT), p);
+  CodedOutputStream::WriteVarint64ToArray(bytes, p);
+  return out;
 }
 
 size_t EncodedResultSize(const ResultView& r) {

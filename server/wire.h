@@ -29,6 +29,10 @@ struct StepFields {
   bool causal = false;
   uint32_t timeout_ms = 0;
   bool trace = false;
+  // RegionTensors, when the step carries one.
+  bool has_region = false;
+  uint32_t region_s_q = 0;
+  uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;
   // Sizes on the wire; a field over its bound is not copied (its string stays empty).
   int64_t sequence_id_bytes = 0, q_bytes = 0, kv_bytes = 0;
   std::string* sequence_id = nullptr;
@@ -38,8 +42,10 @@ struct StepFields {
 
 // Steps in a serialized DecodeRequest, found without copying any field; INVALID_ARGUMENT
 // naming the byte offset when the bytes are not a DecodeRequest. Stops counting (and
-// returns limit + 1) once the count exceeds `limit`.
-absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* in, int limit);
+// returns limit + 1) once the count exceeds `limit`. *open_region_bytes (when given)
+// gets DecodeRequest.open_region_bytes.
+absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* in, int limit,
+                                     uint64_t* open_region_bytes = nullptr);
 
 // Reads a DecodeRequest's steps one at a time.
 class DecodeStepReader {
@@ -79,6 +85,9 @@ struct ResultView {
   const std::string* message = nullptr;
   const Timing* timing = nullptr;  // written when set
 };
+
+// A DecodeResponse holding only `region` {path, bytes}.
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes);
 
 // Bytes the result takes inside a DecodeResponse (tag and length prefix included).
 size_t EncodedResultSize(const ResultView& r);

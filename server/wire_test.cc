@@ -245,6 +245,50 @@ TEST(WireTest, TimingRoundTripsAndTraceIsRead) {
   EXPECT_FALSE(f.trace);  // reset for every step
 }
 
+TEST(WireTest, RegionFieldsAndResponse) {
+  v1::DecodeRequest req;
+  req.set_open_region_bytes(uint64_t{5} << 30);
+  auto* s = req.add_steps();
+  s->set_request_id(4);
+  s->mutable_region()->set_s_q(2);
+  s->mutable_region()->set_q_offset(64);
+  s->mutable_region()->set_kv_offset(uint64_t{1} << 40);
+  s->mutable_region()->set_out_offset(6);
+  s->mutable_region()->set_lse_offset(8);
+  req.add_steps()->set_request_id(5);
+  const std::string bytes = req.SerializeAsString();
+  auto counted = Stream(bytes);
+  uint64_t open = 0;
+  auto n = CountDecodeSteps(&counted, 10, &open);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2);
+  EXPECT_EQ(open, uint64_t{5} << 30);
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  std::string id, q, kv;
+  StepFields f;
+  f.sequence_id = &id;
+  f.q = &q;
+  f.kv = &kv;
+  StepBounds b;
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_TRUE(f.has_region);
+  EXPECT_EQ(f.region_s_q, 2u);
+  EXPECT_EQ(f.q_offset, 64u);
+  EXPECT_EQ(f.kv_offset, uint64_t{1} << 40);
+  EXPECT_EQ(f.out_offset, 6u);
+  EXPECT_EQ(f.lse_offset, 8u);
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_FALSE(f.has_region);  // reset for every step
+  EXPECT_EQ(f.q_offset, 0u);
+
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(EncodeRegionResponse("/proc/1/fd/7", 12345)));
+  EXPECT_EQ(resp.region().path(), "/proc/1/fd/7");
+  EXPECT_EQ(resp.region().bytes(), 12345u);
+  EXPECT_EQ(resp.results_size(), 0);
+}
+
 TEST(WireTest, AppendKvRequest) {
   v1::AppendKvRequest req;
   req.set_sequence_id("abc");

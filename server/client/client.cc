@@ -1,6 +1,13 @@
 // The C++ client of latentd.v1.DecodeService; see client.h.
 #include "server/client/client.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <thread>
 #include <utility>
 
@@ -203,6 +210,31 @@ DecodeStream::DecodeStream(Client* client) {
 }
 
 DecodeStream::~DecodeStream() = default;
+
+SharedRegion::~SharedRegion() { munmap(data_, size_); }
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t bytes) {
+  v1::DecodeRequest req;
+  req.set_open_region_bytes(bytes);
+  v1::DecodeResponse resp;
+  if (!rw_->Write(req) || !rw_->Read(&resp)) {
+    grpc::Status st = rw_->Finish();
+    return st.ok() ? absl::UnavailableError("Decode stream ended before the region's answer") : ToAbsl(st);
+  }
+  if (!resp.has_region() || resp.region().bytes() != bytes)
+    return absl::InternalError("Decode stream: the first response is not the region's answer");
+  const std::string& path = resp.region().path();
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat("shared region ", path, ": ", std::strerror(errno),
+                                                      " (same host and user as the daemon needed)"));
+  }
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);  // the mapping keeps the file
+  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path, ": ", std::strerror(err)));
+  return std::make_unique<SharedRegion>(static_cast<char*>(map), bytes);
+}
 
 bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(request); }
 bool DecodeStream::Read(v1::DecodeResponse* response) { return rw_->Read(response); }

@@ -94,11 +94,33 @@ class Client {
   Shape shape_;
 };
 
+// A Decode stream's shared-memory region (same-host data plane), mapped read-write in
+// this process: steps name offsets into it (DecodeStep.region) instead of carrying q/kv,
+// and the server writes out/lse there. Unmapped on destruction; the server frees its
+// side when the stream ends.
+class SharedRegion {
+ public:
+  SharedRegion(char* data, uint64_t size) : data_(data), size_(size) {}
+  ~SharedRegion();
+  SharedRegion(const SharedRegion&) = delete;
+  SharedRegion& operator=(const SharedRegion&) = delete;
+  char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  char* const data_;
+  const uint64_t size_;
+};
+
 // One Decode stream (synchronous gRPC API): Write from one thread, Read from another.
 class DecodeStream {
  public:
   DecodeStream(Client* client);
   ~DecodeStream();
+  // Asks the server for a shared region of `bytes` bytes and maps it. Call before any
+  // other Write and before reading: it writes one message and reads the answer. Works
+  // only on the server's host, as the daemon's user.
+  absl::StatusOr<std::unique_ptr<SharedRegion>> OpenRegion(uint64_t bytes);
   bool Write(const v1::DecodeRequest& request);
   bool Read(v1::DecodeResponse* response);
   bool WritesDone();
