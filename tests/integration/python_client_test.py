@@ -49,6 +49,13 @@ def close(a, b, rel):
     return np.all(np.abs(a - b) <= np.maximum(8e-4, rel * np.abs(b)))
 
 
+class StepOutputLike:
+    """out/lse read from a shared region, shaped like a StepOutput for check()."""
+
+    def __init__(self, out, lse):
+        self.out, self.lse, self.ok, self.message = out, lse, True, ""
+
+
 class PythonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -137,6 +144,54 @@ class PythonClientTest(unittest.TestCase):
             q, r_rows = expected[r.request_id]
             self.check(r, q, r_rows, False)
         c.release_sequence(seq)
+
+    def test_shared_region(self):
+        """Steps through the stream's shared region: q/kv written into it with numpy,
+        out/lse read back from it, one message per layer batch, each checked."""
+        c = self.client
+        info = c.info
+        rng = np.random.default_rng(21)
+        h_q, h_kv = info.num_heads_q, info.num_heads_kv
+        qb, kvb, ob, lb = h_q * 576 * 2, h_kv * 576 * 2, h_q * 512 * 2, h_q * 4
+        slot = (qb + kvb + ob + lb + 63) // 64 * 64
+        seqs, rows = [], []
+        for i in range(4):
+            seq = c.create_sequence()
+            r = self.rand(rng, 20 + 31 * i, h_kv, 576)
+            c.append_kv(seq, {0: r})
+            seqs.append(seq)
+            rows.append(r)
+        with c.open_session() as session:
+            region = session.open_region(slot * len(seqs))
+            for _ in range(3):
+                steps, qs = [], []
+                for i, seq in enumerate(seqs):
+                    base = i * slot
+                    q, kv = self.rand(rng, 1, h_q, 576), self.rand(rng, 1, h_kv, 576)
+                    region.array(base, (1, h_q, 576), "<u2")[:] = np.frombuffer(c.wire(q), "<u2").reshape(1, h_q, 576)
+                    region.array(base + qb, (1, h_kv, 576), "<u2")[:] = np.frombuffer(c.wire(kv), "<u2").reshape(
+                        1, h_kv, 576)
+                    rows[i] = np.concatenate([rows[i], kv])
+                    qs.append(q)
+                    steps.append(dict(sequence_id=seq, layer=0, s_q=1, q_offset=base, kv_offset=base + qb,
+                                      out_offset=base + qb + kvb, lse_offset=base + qb + kvb + ob))
+                ids = session.submit_region(steps)
+                got = {}
+                for r in session.results():
+                    got[r.request_id] = r
+                    if len(got) == len(ids):
+                        break
+                for i, rid in enumerate(ids):
+                    self.assertTrue(got[rid].ok, got[rid].message)
+                    base = i * slot
+                    out = c.unwire(region.array(base + qb + kvb, (1, h_q, 512), "<u2").tobytes(), (1, h_q, 512))
+                    lse = region.array(base + qb + kvb + ob, (h_q, 1), "<f4").copy()
+                    self.check(StepOutputLike(out, lse), qs[i], rows[i], False)
+            session.close_send()
+            list(session.results())
+            region.close()
+        for seq in seqs:
+            c.release_sequence(seq)
 
     def test_errors(self):
         c = self.client

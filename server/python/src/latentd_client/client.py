@@ -2,6 +2,8 @@
 # numpy arrays to and from the server's wire format (raw bf16/fp16 values), uploads
 # prefixes in chunks and runs decode steps over a Decode stream.
 import itertools
+import mmap
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -201,6 +203,29 @@ class LatentdClient:
         return [got[i] for i in ids]
 
 
+class SharedRegion:
+    """A Decode stream's shared-memory region (same-host data plane), mapped here.
+
+    Steps name byte offsets into it (DecodeSession.submit_region) instead of carrying
+    q/kv, and the server writes out/lse there: array() views it without copying."""
+
+    def __init__(self, path, nbytes):
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.nbytes = nbytes
+
+    def array(self, offset, shape, dtype):
+        """A numpy view of the region at offset (no copy): e.g. (s_q, h_q, 576) '<u2'."""
+        count = int(np.prod(shape))
+        return np.frombuffer(self.mmap, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def close(self):
+        self.mmap.close()
+
+
 class DecodeSession:
     """One Decode stream: submit() steps from one thread, iterate results() in another
     (or after close_send()). Results may arrive in any order across sequences."""
@@ -220,6 +245,43 @@ class DecodeSession:
             if item is self._END:
                 return
             yield item
+
+    def open_region(self, nbytes):
+        """Asks the server for a shared region of nbytes and maps it (same host and user
+        as the daemon only). Call before any submit and before results(); the region
+        lives until the stream ends."""
+        self._requests.put(latentd_pb2.DecodeRequest(open_region_bytes=nbytes))
+        try:
+            resp = next(self._responses)
+        except StopIteration:
+            raise LatentdError(grpc.StatusCode.UNAVAILABLE, "stream ended before the region's answer") from None
+        except grpc.RpcError as e:
+            raise LatentdError(e.code(), e.details()) from None
+        if resp.region.bytes != nbytes:
+            raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        self.region = SharedRegion(resp.region.path, nbytes)
+        return self.region
+
+    def submit_region(self, steps):
+        """Sends steps whose tensors are in the region, as one DecodeRequest (a model
+        runner's layer batch: one launch, results back together). Each step is a dict:
+        sequence_id, layer, s_q, q_offset, kv_offset, out_offset, lse_offset, causal
+        (optional). Their results carry no out/lse: read them from the region once the
+        step's StepOutput has arrived. Returns the request ids in order."""
+        c = self._client
+        ids, pb = [], []
+        for st in steps:
+            rid = next(c._ids)
+            ids.append(rid)
+            region = latentd_pb2.RegionTensors(s_q=st["s_q"], q_offset=st["q_offset"], kv_offset=st["kv_offset"],
+                                               out_offset=st["out_offset"], lse_offset=st["lse_offset"])
+            pb.append(latentd_pb2.DecodeStep(request_id=rid, sequence_id=st["sequence_id"], layer=st["layer"],
+                                             causal=st.get("causal", False), region=region))
+        with self._lock:
+            for rid in ids:
+                self._s_q[rid] = 0  # results in place
+        self._requests.put(latentd_pb2.DecodeRequest(steps=pb))
+        return ids
 
     def submit(self, sequence_id, layer, q, kv, causal=False, request_id=None, timeout_ms=0):
         c = self._client
@@ -248,7 +310,10 @@ class DecodeSession:
                 for r in resp.results:
                     with self._lock:
                         s_q = self._s_q.pop(r.request_id, 1)
-                    if r.code == 0:
+                    if r.code == 0 and s_q == 0:  # a region step: its results are in the region
+                        out = np.zeros((0,), np.float32)
+                        lse = np.zeros((0,), np.float32)
+                    elif r.code == 0:
                         out = c.unwire(r.out, (s_q, c.h_q, HEAD_DIM_V))
                         lse = np.frombuffer(r.lse, dtype="<f4").reshape(c.h_q, s_q)
                     else:
