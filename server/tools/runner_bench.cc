@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <cstdio>
 #include <deque>
 #include <map>
@@ -36,6 +37,9 @@ ABSL_FLAG(int, s_q, 1, "query tokens per step");
 ABSL_FLAG(bool, causal, true, "causal masking for s_q > 1");
 ABSL_FLAG(int, check_every, 50, "check every Nth result against the CPU implementation (0: none)");
 ABSL_FLAG(bool, trace, true, "ask the server for StepTiming and print the breakdown");
+ABSL_FLAG(bool, shm, false,
+          "same-host data plane: each runner's stream opens a shared region; q/kv are written there and "
+          "out/lse read from there, and messages carry offsets only");
 ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 
@@ -191,13 +195,15 @@ int Main() {
   const bool causal = absl::GetFlag(FLAGS_causal);
   const int check_every = absl::GetFlag(FLAGS_check_every);
   const bool trace = absl::GetFlag(FLAGS_trace);
+  const bool shm = absl::GetFlag(FLAGS_shm);
   if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
   }
-  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens\n",
+  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens%s\n",
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
-              dtype == kernels::DType::kBF16 ? "bf16" : "fp16", R, B, L, s_q, prefix, tokens);
+              dtype == kernels::DType::kBF16 ? "bf16" : "fp16", R, B, L, s_q, prefix, tokens,
+              shm ? ", shared region" : "");
   std::fflush(stdout);
 
   client::Reference ref(info, 4);
@@ -257,16 +263,38 @@ int Main() {
     threads.emplace_back([&, r] {
       RunnerStats& st = stats[r];
       auto stream = c->OpenDecodeStream();
+      // Region layout: step b's q, kv, out and lse in slot b.
+      const uint64_t q_at = 0, kv_at = shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
+                     lse_at = out_at + shape.OutBytes(s_q), slot = (lse_at + shape.LseBytes(s_q) + 255) / 256 * 256;
+      std::unique_ptr<client::SharedRegion> region;
+      bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
+      if (shm) {
+        auto opened = stream->OpenRegion(slot * B);
+        if (opened.ok()) {
+          region = std::move(*opened);
+        } else {
+          st.first_error = opened.status().ToString();
+          st.failed += 1;
+          broken = true;
+        }
+      }
       std::vector<int64_t> length(static_cast<size_t>(B) * L, prefix);
       std::vector<int> q_of(static_cast<size_t>(B));
       uint64_t next_id = 1;
-      bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
       v1::DecodeRequest req;
       for (int b = 0; b < B; ++b) {
         v1::DecodeStep* s = req.add_steps();
         s->set_sequence_id(ids[r][b]);
         s->set_causal(causal);
         s->set_trace(trace);
+        if (shm) {
+          v1::RegionTensors* t = s->mutable_region();
+          t->set_s_q(s_q);
+          t->set_q_offset(slot * b + q_at);
+          t->set_kv_offset(slot * b + kv_at);
+          t->set_out_offset(slot * b + out_at);
+          t->set_lse_offset(slot * b + lse_at);
+        }
       }
       for (int tok = 0; tok < warmup + tokens; ++tok) {
         if (tok == warmup) {
@@ -287,11 +315,20 @@ int Main() {
             q_of[b] = qi;
             s->set_request_id(next_id);
             s->set_layer(l);
-            s->set_q(q_pool[qi]);
-            s->set_kv(kv_pool[(qi + 3) % kPool]);
             index[next_id++] = b;
           }
           const int64_t sent = NowUs();
+          for (int b = 0; b < B; ++b) {  // producing the inputs is part of the round trip
+            const std::string& q = q_pool[q_of[b]];
+            const std::string& kv = kv_pool[(q_of[b] + 3) % kPool];
+            if (shm && region != nullptr) {
+              std::memcpy(region->data() + slot * b + q_at, q.data(), q.size());
+              std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
+            } else {
+              req.mutable_steps(b)->set_q(q);
+              req.mutable_steps(b)->set_kv(kv);
+            }
+          }
           if (!stream->Write(req)) {
             st.first_error = "stream write failed";
             st.failed += B;
@@ -317,8 +354,13 @@ int Main() {
               }
               length[key] += s_q;
               ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
-              if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0)
+              if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
+                if (shm) {  // the results are in the region, in place
+                  res.set_out(std::string(region->data() + slot * b + out_at, shape.OutBytes(s_q)));
+                  res.set_lse(std::string(region->data() + slot * b + lse_at, shape.LseBytes(s_q)));
+                }
                 checker.Push({ids[r][b], q_pool[q_of[b]], l, length[key], res});
+              }
               if (measured && res.has_timing()) {
                 const v1::StepTiming& t = res.timing();
                 st.samples.push_back({{sent, t.received_us(), t.parsed_us(), t.submitted_us(), t.batched_us(),
@@ -347,6 +389,9 @@ int Main() {
       stream->Finish();
     });
   for (auto& t : threads) t.join();
+  for (const auto& per_runner : ids)
+    for (const std::string& id : per_runner)
+      if (!id.empty()) (void)c->ReleaseSequence(id);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - measure_start);
 
   std::vector<double> all_layers;

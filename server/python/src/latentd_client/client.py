@@ -283,6 +283,26 @@ class DecodeSession:
         self._requests.put(latentd_pb2.DecodeRequest(steps=pb))
         return ids
 
+    def submit_many(self, steps):
+        """Sends several steps as one DecodeRequest (a model runner's layer batch: one
+        launch, results back together). Each step is a dict of submit()'s arguments.
+        Returns the request ids in order."""
+        c = self._client
+        ids, pb = [], []
+        for st in steps:
+            q, kv = st["q"], st["kv"]
+            q_bytes = q if isinstance(q, (bytes, bytearray, memoryview)) else c.wire(q)
+            kv_bytes = kv if isinstance(kv, (bytes, bytearray, memoryview)) else c.wire(kv)
+            rid = st.get("request_id") or next(c._ids)
+            ids.append(rid)
+            with self._lock:
+                self._s_q[rid] = len(q_bytes) // (c.h_q * HEAD_DIM_QK * 2)
+            pb.append(latentd_pb2.DecodeStep(request_id=rid, sequence_id=st["sequence_id"], layer=st["layer"],
+                                             q=bytes(q_bytes), kv=bytes(kv_bytes), causal=st.get("causal", False),
+                                             timeout_ms=st.get("timeout_ms", 0)))
+        self._requests.put(latentd_pb2.DecodeRequest(steps=pb))
+        return ids
+
     def submit(self, sequence_id, layer, q, kv, causal=False, request_id=None, timeout_ms=0):
         c = self._client
         q_bytes = q if isinstance(q, (bytes, bytearray)) else c.wire(q)

@@ -1,0 +1,98 @@
+# A Python model runner over latentd_client: one Decode stream, B sequences with
+# prefixes, one message of B steps per layer, wait for all results, next layer; prints
+# the per-layer round trip p50/p90/p99. --shm uses the stream's shared region (q/kv
+# written with numpy, out/lse read in place); otherwise tensors travel as gRPC bytes.
+#   PYTHONPATH=server/python python3 bench/python_runner.py --target=127.0.0.1:50051 --shm
+import argparse
+import time
+
+import numpy as np
+
+from latentd_client import LatentdClient, reference_decode
+
+
+def check(c, info, prefix, kv_row, appended, q_bits, out):
+    """Sequence 0's last layer-0 result against the float64 reference."""
+    rows = np.concatenate([prefix] + [kv_row[None]] * appended)
+    to_f = lambda bits: c.unwire(np.ascontiguousarray(bits).tobytes(), bits.shape)
+    want, _ = reference_decode(to_f(q_bits[None]), to_f(rows), info.softmax_scale)
+    got = to_f(out) if out.dtype == np.uint16 else out
+    got = got.reshape(want.shape)
+    bad = np.abs(got - want) > np.maximum(8e-4, (2 / 128) * np.abs(want))
+    if bad.any():
+        raise SystemExit(f"python_runner: result mismatch, max diff {np.abs(got - want).max()}")
+    print("python_runner: checked sequence 0's last layer-0 result: ok")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="127.0.0.1:50051")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prefix_len", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=30)
+    ap.add_argument("--warmup_tokens", type=int, default=3)
+    ap.add_argument("--shm", action="store_true")
+    a = ap.parse_args()
+    c = LatentdClient(a.target)
+    info = c.info
+    h_q, h_kv, B, L = info.num_heads_q, info.num_heads_kv, a.batch, min(a.layers, info.num_layers)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 1 << 16, size=(a.prefix_len, h_kv, 576), dtype=np.uint16) & 0xBFFF  # |x| < 2
+    seqs = []
+    for _ in range(B):
+        s = c.create_sequence()
+        c.append_kv(s, {l: prefix.tobytes() for l in range(L)})
+        seqs.append(s)
+    qb, kvb, ob, lb = h_q * 576 * 2, h_kv * 576 * 2, h_q * 512 * 2, h_q * 4
+    slot = (qb + kvb + ob + lb + 255) // 256 * 256
+    q_pool = rng.integers(0, 1 << 16, size=(B, h_q, 576), dtype=np.uint16) & 0xBFFF
+    kv_pool = rng.integers(0, 1 << 16, size=(B, h_kv, 576), dtype=np.uint16) & 0xBFFF
+    times = []
+    with c.open_session() as session:
+        if a.shm:
+            region = session.open_region(slot * B)
+            q_views = [region.array(b * slot, (h_q, 576), "<u2") for b in range(B)]
+            kv_views = [region.array(b * slot + qb, (h_kv, 576), "<u2") for b in range(B)]
+            out_views = [region.array(b * slot + qb + kvb, (h_q, 512), "<u2") for b in range(B)]
+        results = session.results()
+        for tok in range(a.warmup_tokens + a.tokens):
+            for layer in range(L):
+                t0 = time.perf_counter()
+                if a.shm:
+                    for b in range(B):
+                        q_views[b][:] = q_pool[b]
+                        kv_views[b][:] = kv_pool[b]
+                    ids = session.submit_region([dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=b * slot,
+                                                      kv_offset=b * slot + qb, out_offset=b * slot + qb + kvb,
+                                                      lse_offset=b * slot + qb + kvb + ob) for b in range(B)])
+                else:
+                    ids = session.submit_many([dict(sequence_id=seqs[b], layer=layer, q=q_pool[b].tobytes(),
+                                                    kv=kv_pool[b].tobytes()) for b in range(B)])
+                got = 0
+                outs = {}
+                for r in results:
+                    if r.code != 0:
+                        raise SystemExit(f"step failed: {r.code} {r.message}")
+                    outs[r.request_id] = r
+                    got += 1
+                    if got == B:
+                        break
+                if tok == a.warmup_tokens + a.tokens - 1 and layer == 0:
+                    check(c, info, prefix, kv_pool[0], tok + 1, q_pool[0],
+                          out_views[0].copy() if a.shm else outs[ids[0]].out)
+                if tok >= a.warmup_tokens:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        session.close_send()
+        for _ in results:
+            pass
+    t = np.array(times)
+    print(f"python_runner: h_q {h_q} B {B} L {L} {'shared region' if a.shm else 'gRPC bytes'}: per-layer p50 "
+          f"{np.percentile(t, 50):.3f} ms p90 {np.percentile(t, 90):.3f} ms p99 {np.percentile(t, 99):.3f} ms "
+          f"({len(t)} layers)")
+    for s in seqs:
+        c.release_sequence(s)
+
+
+if __name__ == "__main__":
+    main()
