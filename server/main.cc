@@ -94,6 +94,9 @@ ABSL_FLAG(int, max_streams_per_connection, 1024,
 ABSL_FLAG(int64_t, max_upload_bytes, int64_t{256} << 20,
           "AppendKv bytes received and not yet applied, over all streams; beyond it the upload fails "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_response_bytes, int64_t{2} << 20,
+          "results coalesced into one DecodeResponse (soft cap: a single result may exceed it); clients must "
+          "accept messages this large (gRPC's default receive limit is 4 MiB)");
 ABSL_FLAG(int64_t, max_region_bytes, int64_t{1} << 30,
           "largest shared region one Decode stream may open (same-host data plane); larger requests fail "
           "RESOURCE_EXHAUSTED");
@@ -330,6 +333,8 @@ int Run() {
   if (so.max_inflight_bytes < (int64_t{1} << 20)) return Fail("--max_inflight_bytes: expected at least 1 MiB");
   if (so.max_streams < 1) return Fail("--max_streams: expected at least 1");
   if (so.max_upload_bytes < 1) return Fail("--max_upload_bytes: expected at least 1");
+  so.max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
+  if (so.max_response_bytes < 1) return Fail("--max_response_bytes: expected at least 1");
   so.max_region_bytes = absl::GetFlag(FLAGS_max_region_bytes);
   so.max_region_total_bytes = absl::GetFlag(FLAGS_max_region_total_bytes);
   if (so.max_region_bytes < 0) return Fail("--max_region_bytes: expected >= 0 (0: no shared regions)");
