@@ -128,7 +128,7 @@ TEST(MetricFamilies, PagesAndReasons) {
   for (const auto& m : Find(families, "latentd_rejections_total")->metric) {
     reasons[m.label.at(0).value] = m.counter.value;
   }
-  EXPECT_EQ(reasons.size(), 10u);
+  EXPECT_EQ(reasons.size(), 11u);
   EXPECT_EQ(reasons["invalid"], 5);
   EXPECT_EQ(reasons["queue_full"], 1);
   EXPECT_EQ(reasons["upload"], 3);
