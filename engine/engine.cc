@@ -216,6 +216,12 @@ class EngineImpl final : public Engine {
   }
 
   void SubmitBatch(DecodeStep* const* steps, int n, absl::Status* statuses) override {
+    // A unit larger than a launch is split anyway: holding the scheduler for it would
+    // only delay everyone else's steps.
+    if (n > o_.max_batch_size) {
+      for (int i = 0; i < n; ++i) statuses[i] = Submit(steps[i]);
+      return;
+    }
     // Seen by the scheduler before the first push, so no batch forms from a part.
     batch_submitters_.fetch_add(1);
     for (int i = 0; i < n; ++i) {

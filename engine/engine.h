@@ -176,9 +176,10 @@ class Engine {
   // sequence, full queue, draining) and its callback will not run; OK means StepDone
   // will be called exactly once.
   virtual absl::Status Submit(DecodeStep* step) = 0;
-  // Submits n steps as one unit: the scheduler does not form a batch from a part of
-  // them while the rest are being queued, so steps that fit one launch run in one
-  // launch. statuses[i] is Submit's answer for steps[i]. Never blocks.
+  // Submits n steps as one unit: when n is at most max_batch_size, the scheduler does
+  // not form a batch from a part of them while the rest are being queued, so steps that
+  // fit one launch run in one launch. statuses[i] is Submit's answer for steps[i].
+  // Never blocks.
   virtual void SubmitBatch(DecodeStep* const* steps, int n, absl::Status* statuses) {
     for (int i = 0; i < n; ++i) statuses[i] = Submit(steps[i]);
   }
