@@ -283,6 +283,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Slot* group_next = nullptr;    // answered steps of its message, waiting for the rest
     bool trace = false;            // DecodeStep.trace: send StepTiming back
     bool in_region = false;        // tensors in the stream's shared region, not in the buffers
+    // Zero-copy result: its StepResult laid out in the message's response buffer before
+    // it runs, with `out` pointing inside; lse and timing are written at part_tail when
+    // the response is built. Counted in `charged` like the slot's own buffers.
+    bool laid_out = false;
+    grpc::Slice part;
+    size_t part_tail = 0;
     absl::Time received, parsed, submitted, completed;
     wire::Timing timing;           // filled when the response is built
   };
@@ -422,26 +428,44 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Serializes finished results into write_buf_, up to the byte cap (at least one
   // result), and takes their slots back.
+  static bool InPlace(const Slot* s) { return s->laid_out && s->code == 0; }
+
+  // The response: laid-out results go as they are (slices of their message's buffer,
+  // no copy of out); the others are serialized into small slices between them.
   void FillResponseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t cap = service_->options().max_response_bytes;
     const absl::Time now = absl::Now();
     size_t bytes = 0, taken = 0;
     while (taken < done_.size()) {
-      if (done_[taken]->trace) FillTiming(done_[taken], now);
-      const size_t b = wire::EncodedResultSize(View(done_[taken]));
+      Slot* s = done_[taken];
+      if (s->trace) FillTiming(s, now);
+      const size_t b = InPlace(s) ? s->part.size() : wire::EncodedResultSize(View(s));
       if (taken > 0 && static_cast<int64_t>(bytes + b) > cap) break;
       bytes += b;
       ++taken;
     }
     write_results_ = AcceptedAmong(taken);
-    grpc::Slice slice(bytes);
-    uint8_t* p = const_cast<uint8_t*>(slice.begin());
-    for (size_t i = 0; i < taken; ++i) {
-      p = wire::EncodeResult(View(done_[i]), p);
-      RecycleLocked(done_[i]);
+    parts_.clear();
+    for (size_t i = 0; i < taken;) {
+      Slot* s = done_[i];
+      if (InPlace(s)) {
+        uint8_t* base = const_cast<uint8_t*>(s->part.begin());
+        wire::EncodeSuccessTail(s->lse_buf, s->trace ? &s->timing : nullptr, base + s->part_tail);
+        parts_.push_back(s->part);
+        ++i;
+        continue;
+      }
+      size_t run = 0, j = i;  // consecutive serialized results share one slice
+      for (; j < taken && !InPlace(done_[j]); ++j) run += wire::EncodedResultSize(View(done_[j]));
+      grpc::Slice slice(run);
+      uint8_t* p = const_cast<uint8_t*>(slice.begin());
+      for (; i < j; ++i) p = wire::EncodeResult(View(done_[i]), p);
+      parts_.push_back(std::move(slice));
     }
+    for (size_t i = 0; i < taken; ++i) RecycleLocked(done_[i]);
     done_.erase(done_.begin(), done_.begin() + taken);
-    write_buf_ = grpc::ByteBuffer(&slice, 1);
+    write_buf_ = grpc::ByteBuffer(parts_.data(), parts_.size());
+    parts_.clear();  // the byte buffer holds its own references
   }
 
   size_t AcceptedAmong(size_t first_n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -450,7 +474,17 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return n;
   }
 
-  void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { free_.push_back(s); }
+  void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    DropPart(s);
+    free_.push_back(s);
+  }
+
+  // Gives up the slot's share of its message's response buffer (gRPC keeps its own
+  // references to what it is sending).
+  static void DropPart(Slot* s) {
+    s->part = grpc::Slice();
+    s->laid_out = false;
+  }
 
   // Groups live in a ring in message order; a group leaves it once it and every older
   // one are flushed. The ring only grows (to the most messages a stream has had open
@@ -530,6 +564,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void DeleteSlot(Slot* s) {
+    DropPart(s);
     if (s->charged > 0) service_->ReleaseInflight(s->charged);
     delete s;
   }
@@ -610,9 +645,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       absl::Status st = f.has_region ? ValidateRegion(f, read, sh) : Validate(f, read, sh);
       int64_t extra = 0;  // the results' buffers, sized in Prepare
       if (st.ok() && !f.has_region) {
+        // lse grows the slot's buffer; out goes into the message's response buffer
+        // (LayOut), counted here with the slot that will hand it over.
         const int64_t s_q = f.q_bytes / sh.q_row_bytes;
-        extra = std::max<int64_t>(0, s_q * sh.out_row_bytes - static_cast<int64_t>(slot->out_buf.capacity())) +
-                std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity()));
+        extra = std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity())) +
+                s_q * (sh.out_row_bytes + 64);
       }
       if (!ChargeSlot(slot, extra)) {
         st = absl::ResourceExhaustedError(
@@ -623,6 +660,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->code = static_cast<int32_t>(st.code());
       if (!st.ok()) SetError(slot, st);
     }
+    LayOut(read, sh);
     const absl::Time parsed = absl::Now();
     bool submit = false;
     {
@@ -648,6 +686,51 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (submit) SubmitDeferred();
   }
 
+  // Lays out the results of the message's valid byte steps in response buffers (one
+  // allocation per response's worth, not per step), so the engine writes out where
+  // gRPC will send it from.
+  void LayOut(int read, const DecodeServiceImpl::Shape& sh) {
+    // Buffers of about one response each (--max_response_bytes): a buffer stays alive
+    // while gRPC holds any result in it, so smaller ones give memory back sooner.
+    const size_t cap = static_cast<size_t>(std::max<int64_t>(1, service_->options().max_response_bytes));
+    for (int i = 0; i < read;) {
+      size_t total = 0;
+      int j = i;
+      for (; j < read; ++j) {
+        Slot* s = batch_[j];
+        if (s->code != 0 || s->in_region) continue;
+        const size_t b = ResultBytes(s, sh);
+        if (total > 0 && total + b > cap) break;
+        total += b;
+      }
+      if (total > 0) {
+        grpc::Slice buffer(total);
+        uint8_t* base = const_cast<uint8_t*>(buffer.begin());
+        size_t at = 0;
+        for (int k = i; k < j; ++k) {
+          Slot* s = batch_[k];
+          if (s->code != 0 || s->in_region) continue;
+          const size_t out_bytes = static_cast<size_t>(s->s_q * sh.out_row_bytes);
+          const wire::ResultLayout l = wire::SuccessLayout(s->request_id, out_bytes, s->lse_buf.size(), s->trace);
+          wire::EncodeSuccessHead(s->request_id, out_bytes, s->lse_buf.size(), s->trace, base + at);
+          s->out = reinterpret_cast<char*>(base + at + l.out_at);
+          s->part = buffer.sub(at, at + l.bytes);
+          s->part_tail = l.tail_at;
+          s->laid_out = true;
+          at += l.bytes;
+        }
+      }
+      i = j;
+    }
+  }
+
+  // A successful byte step's result inside the response, out included.
+  static size_t ResultBytes(const Slot* s, const DecodeServiceImpl::Shape& sh) {
+    return wire::SuccessLayout(s->request_id, static_cast<size_t>(s->s_q * sh.out_row_bytes),
+                               static_cast<size_t>(s->s_q * sh.lse_row_bytes), s->trace)
+        .bytes;
+  }
+
   // Fills the engine's fields of a valid, charged step.
   void Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
     const int s_q = f.has_region ? static_cast<int>(f.region_s_q) : static_cast<int>(f.q_bytes / sh.q_row_bytes);
@@ -664,9 +747,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     } else {
       slot->q = slot->q_buf;
       slot->kv = slot->kv_buf;
-      slot->out_buf.resize(static_cast<size_t>(s_q * sh.out_row_bytes));
       slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
-      slot->out = &slot->out_buf[0];
+      slot->out = nullptr;  // set by LayOut
       slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
     }
     slot->deadline =
@@ -871,6 +953,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The submitting thread's (submitting_): one SubmitBatch's steps and answers.
   std::vector<engine::DecodeStep*> submit_;
   std::vector<absl::Status> statuses_;
+  std::vector<grpc::Slice> parts_;  // FillResponseLocked's scratch (under mu_)
 
   absl::Mutex mu_;
   std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);  // owned; spare slots

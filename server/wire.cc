@@ -133,28 +133,35 @@ size_t BytesFieldSize(const std::string* s) {
   return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(s->size())) + s->size();
 }
 
-// The StepTiming fields in order; zero ones are left out, as protobuf does.
+// The StepTiming fields in order, every one written as sfixed64 (so the size is fixed).
 void TimingFields(const Timing& t, int64_t (&v)[8]) {
   const int64_t f[8] = {t.received_us, t.parsed_us,   t.submitted_us, t.batched_us,
                         t.launched_us, t.finished_us, t.completed_us, t.response_us};
   for (int i = 0; i < 8; ++i) v[i] = f[i];
 }
 
-size_t TimingBodySize(const Timing& t) {
+constexpr size_t kTimingBody = 8 * (1 + 8);
+
+uint8_t* EncodeTiming(const Timing& t, uint8_t* p) {
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultTiming, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+                                         p);
+  p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(kTimingBody), p);
   int64_t v[8];
   TimingFields(t, v);
-  size_t n = 0;
-  for (int64_t x : v)
-    if (x != 0) n += 1 + CodedOutputStream::VarintSize64(static_cast<uint64_t>(x));
-  return n;
+  for (int i = 0; i < 8; ++i) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(i + 1, WireFormatLite::WIRETYPE_FIXED64), p);
+    p = CodedOutputStream::WriteLittleEndian64ToArray(static_cast<uint64_t>(v[i]), p);
+  }
+  return p;
 }
+
+size_t TimingFieldSize() { return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(kTimingBody)) + kTimingBody; }
+
+size_t BytesSize(size_t n) { return n == 0 ? 0 : 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(n)) + n; }
 
 size_t ResultBodySize(const ResultView& r) {
   size_t n = 0;
-  if (r.timing != nullptr) {
-    const size_t t = TimingBodySize(*r.timing);
-    n += 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(t)) + t;
-  }
+  if (r.timing != nullptr) n += TimingFieldSize();
   if (r.request_id != 0) n += 1 + CodedOutputStream::VarintSize64(r.request_id);
   n += BytesFieldSize(r.out) + BytesFieldSize(r.lse) + BytesFieldSize(r.message);
   if (r.code != 0) n += 1 + CodedOutputStream::VarintSize64(static_cast<uint64_t>(static_cast<int64_t>(r.code)));
@@ -259,6 +266,47 @@ std::string EncodeRegionResponse(const std::string& path, uint64_t bytes) {
   return out;
 }
 
+// A success result's body: request_id, out, lse (code 0 and no message are omitted),
+// timing; the same order EncodeResult writes.
+size_t SuccessBodySize(uint64_t request_id, size_t out_bytes, size_t lse_bytes, bool timing) {
+  size_t n = 0;
+  if (request_id != 0) n += 1 + CodedOutputStream::VarintSize64(request_id);
+  n += BytesSize(out_bytes) + BytesSize(lse_bytes);
+  if (timing) n += TimingFieldSize();
+  return n;
+}
+
+ResultLayout SuccessLayout(uint64_t request_id, size_t out_bytes, size_t lse_bytes, bool timing) {
+  const size_t body = SuccessBodySize(request_id, out_bytes, lse_bytes, timing);
+  ResultLayout l;
+  l.bytes = 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body;
+  l.out_at = l.bytes - body;
+  if (request_id != 0) l.out_at += 1 + CodedOutputStream::VarintSize64(request_id);
+  if (out_bytes != 0) l.out_at += 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(out_bytes));
+  l.tail_at = l.out_at + out_bytes;
+  return l;
+}
+
+void EncodeSuccessHead(uint64_t request_id, size_t out_bytes, size_t lse_bytes, bool timing, uint8_t* p) {
+  const size_t body = SuccessBodySize(request_id, out_bytes, lse_bytes, timing);
+  p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRequestSteps, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+                                         p);
+  p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(body), p);
+  if (request_id != 0) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultRequestId, WireFormatLite::WIRETYPE_VARINT), p);
+    p = CodedOutputStream::WriteVarint64ToArray(request_id, p);
+  }
+  if (out_bytes != 0) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultOut, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
+    CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(out_bytes), p);
+  }
+}
+
+void EncodeSuccessTail(const std::string& lse, const Timing* timing, uint8_t* p) {
+  p = WriteBytesField(kResultLse, &lse, p);
+  if (timing != nullptr) EncodeTiming(*timing, p);
+}
+
 size_t EncodedResultSize(const ResultView& r) {
   const size_t body = ResultBodySize(r);
   return 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body;
@@ -279,18 +327,7 @@ uint8_t* EncodeResult(const ResultView& r, uint8_t* p) {
     p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(static_cast<int64_t>(r.code)), p);
   }
   p = WriteBytesField(kResultMessage, r.message, p);
-  if (r.timing != nullptr) {
-    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResultTiming, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
-                                           p);
-    p = CodedOutputStream::WriteVarint32ToArray(static_cast<uint32_t>(TimingBodySize(*r.timing)), p);
-    int64_t v[8];
-    TimingFields(*r.timing, v);
-    for (int i = 0; i < 8; ++i) {
-      if (v[i] == 0) continue;
-      p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(i + 1, WireFormatLite::WIRETYPE_VARINT), p);
-      p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(v[i]), p);
-    }
-  }
+  if (r.timing != nullptr) p = EncodeTiming(*r.timing, p);
   return p;
 }
 

@@ -89,6 +89,19 @@ struct ResultView {
 // A DecodeResponse holding only `region` {path, bytes}.
 std::string EncodeRegionResponse(const std::string& path, uint64_t bytes);
 
+// A successful result laid out before its step runs (zero-copy responses): the engine
+// writes out straight into the response buffer. Offsets count from the result's start.
+struct ResultLayout {
+  size_t bytes = 0;    // the whole result inside a DecodeResponse
+  size_t out_at = 0;   // where out's bytes go
+  size_t tail_at = 0;  // where lse (and timing) are written once the step is done
+};
+ResultLayout SuccessLayout(uint64_t request_id, size_t out_bytes, size_t lse_bytes, bool timing);
+// Writes everything before out's bytes at `result`.
+void EncodeSuccessHead(uint64_t request_id, size_t out_bytes, size_t lse_bytes, bool timing, uint8_t* result);
+// Writes lse and, when given, timing at `tail` (result + tail_at).
+void EncodeSuccessTail(const std::string& lse, const Timing* timing, uint8_t* tail);
+
 // Bytes the result takes inside a DecodeResponse (tag and length prefix included).
 size_t EncodedResultSize(const ResultView& r);
 // Writes the result as one `results` entry of a DecodeResponse at `target`, which has

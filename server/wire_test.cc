@@ -2,6 +2,8 @@
 // messages: round trips, bounds, unknown fields, malformed bytes and the step count.
 #include "server/wire.h"
 
+#include <cstring>
+#include <random>
 #include <string>
 
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -243,6 +245,39 @@ TEST(WireTest, TimingRoundTripsAndTraceIsRead) {
   EXPECT_TRUE(f.trace);
   ASSERT_TRUE(*reader.Next(b, &f));
   EXPECT_FALSE(f.trace);  // reset for every step
+}
+
+// A result laid out ahead (head, out written in place, tail) is byte for byte what
+// EncodeResult writes for the same result.
+TEST(WireTest, SuccessLayoutMatchesEncodeResult) {
+  std::mt19937 rng(3);
+  for (uint64_t request_id : {uint64_t{0}, uint64_t{1}, uint64_t{300}, ~uint64_t{0}}) {
+    for (size_t out_bytes : {size_t{2}, size_t{1024}, size_t{131072}}) {
+      for (bool traced : {false, true}) {
+        std::string out(out_bytes, '\0'), lse(out_bytes / 16 + 4, '\0');
+        for (char& c : out) c = static_cast<char>(rng());
+        for (char& c : lse) c = static_cast<char>(rng());
+        Timing t;
+        t.received_us = 1'700'000'000'000'000 + static_cast<int64_t>(rng());
+        t.response_us = t.received_us + 17;
+        ResultView v;
+        v.request_id = request_id;
+        v.out = &out;
+        v.lse = &lse;
+        v.timing = traced ? &t : nullptr;
+        std::string want(EncodedResultSize(v), '\0');
+        EncodeResult(v, reinterpret_cast<uint8_t*>(&want[0]));
+        const ResultLayout l = SuccessLayout(request_id, out.size(), lse.size(), traced);
+        ASSERT_EQ(l.bytes, want.size());
+        std::string got(l.bytes, '\x7f');
+        uint8_t* base = reinterpret_cast<uint8_t*>(&got[0]);
+        EncodeSuccessHead(request_id, out.size(), lse.size(), traced, base);
+        std::memcpy(base + l.out_at, out.data(), out.size());
+        EncodeSuccessTail(lse, traced ? &t : nullptr, base + l.tail_at);
+        ASSERT_EQ(got, want) << "request_id " << request_id << " out " << out_bytes << " traced " << traced;
+      }
+    }
+  }
 }
 
 TEST(WireTest, RegionFieldsAndResponse) {

@@ -122,9 +122,13 @@ TEST(DrainTest, TimedOutDrainCountsWhatWasNotDeliveredAndExits1) {
     v1::DecodeResponse resp;
     while (stream->Read(&resp)) received += resp.results_size();
   });
-  v1::DecodeRequest req;
-  for (int j = 0; j < 300; ++j) *req.add_steps() = tracker.Step(*seq, 0);
-  ASSERT_TRUE(stream->Write(req));
+  // One step per message, so results stream back while the rest wait (a message's
+  // results come back together).
+  for (int j = 0; j < 300; ++j) {
+    v1::DecodeRequest req;
+    *req.add_steps() = tracker.Step(*seq, 0);
+    ASSERT_TRUE(stream->Write(req));
+  }
   while (received < 1) absl::SleepFor(absl::Milliseconds(2));
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(absl::Seconds(30)), 1) << daemon.Log();
