@@ -1007,6 +1007,16 @@ class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
                             "AppendKv: the stream had no messages; expected at least one naming sequence_id"));
         return;
       }
+      if (lengths_.empty()) {
+        // No message carried rows: the lengths (and the sequence's existence) come from
+        // the engine, so the response says what the API promises (a short KV-lock read).
+        auto info = service_->engine()->GetSequence(sequence_id_);
+        if (!info.ok()) {
+          Finish(Prefixed(info.status(), "AppendKv: "));
+          return;
+        }
+        lengths_ = std::move(info->lengths);
+      }
       v1::AppendKvResponse r;
       r.set_sequence_id(sequence_id_);
       r.set_tokens_appended(rows_);

@@ -88,6 +88,35 @@ TEST_F(ErrorsTest, UnaryAndAppendKvErrorsNameTheField) {
   EXPECT_ERROR(c.ForkSequence("no-such-seq").status(), StatusCode::kNotFound, "no-such-seq");
   EXPECT_ERROR(c.AppendKv("no-such-seq", 0, row).status(), StatusCode::kNotFound, "no-such-seq");
 
+  // An upload of no rows still answers with the sequence's lengths, and NOT_FOUND for
+  // an unknown sequence (it once returned OK with no lengths at all).
+  {
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    v1::AppendKvResponse resp;
+    auto w = c.stub()->AppendKv(&ctx, &resp);
+    v1::AppendKvRequest req;
+    req.set_sequence_id(*good);
+    w->Write(req);
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+    EXPECT_EQ(resp.tokens_appended(), 0);
+    ASSERT_EQ(resp.lengths_size(), 2);
+    EXPECT_EQ(resp.lengths(0), 71);
+    EXPECT_EQ(resp.lengths(1), 5);
+  }
+  {
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    v1::AppendKvResponse resp;
+    auto w = c.stub()->AppendKv(&ctx, &resp);
+    v1::AppendKvRequest req;
+    req.set_sequence_id("no-such-seq");
+    w->Write(req);
+    w->WritesDone();
+    EXPECT_ERROR(client::ToAbsl(w->Finish()), StatusCode::kNotFound, "no-such-seq");
+  }
+
   // ALREADY_EXISTS.
   EXPECT_ERROR(c.CreateSequence("good-seq").status(), StatusCode::kAlreadyExists, "good-seq");
   ASSERT_TRUE(c.CreateSequence("taken").ok());
