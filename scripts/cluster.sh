@@ -70,6 +70,7 @@ if [[ -z $daemon && $dry_run -eq 0 ]]; then
   latentd_ensure_packages
   config=$(latentd_cuda_config)
   [[ -n $config ]] && cuda_build=0
+  # shellcheck disable=SC2086  # empty, or --config=nocuda
   (cd "$repo" && bazel build $config //server:latentd)
   daemon="$repo/bazel-bin/server/latentd"
 fi
@@ -141,7 +142,7 @@ stop() {
   trap - INT TERM
   local p
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  [[ -n $nginx_pid ]] && kill -TERM "$nginx_pid" 2>/dev/null || true
+  if [[ -n $nginx_pid ]]; then kill -TERM "$nginx_pid" 2>/dev/null || true; fi
   # The daemons drain (--drain_timeout_s, 30 s by default); then whatever is left goes.
   local deadline=$((SECONDS + 40))
   for p in "${pids[@]}" $nginx_pid; do
@@ -206,7 +207,8 @@ echo "cluster.sh: $count $backend daemons on ${targets[*]}${nginx_pid:+, nginx o
 touch "$run_dir/ready"
 
 # Report each process that ends; keep serving with the rest until a signal comes.
-live=("${pids[@]}" $nginx_pid)
+live=("${pids[@]}")
+[[ -z $nginx_pid ]] || live+=("$nginx_pid")
 while [[ ${#live[@]} -gt 0 ]]; do
   done_pid=""
   rc=0
