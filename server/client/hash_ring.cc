@@ -26,6 +26,11 @@ uint64_t Fmix64(uint64_t k) {
   return k;
 }
 
+std::string SaltedRoute(absl::string_view sequence_id, int k) {
+  if (k == 0) return std::string(sequence_id);
+  return absl::StrCat(sequence_id, "#", absl::Hex(RouteHash(absl::StrCat(sequence_id, "#", k)), absl::kZeroPad16));
+}
+
 HashRing::HashRing(std::vector<std::string> targets, int virtual_nodes) : targets_(std::move(targets)) {
   virtual_nodes = std::max(virtual_nodes, 1);
   points_.reserve(targets_.size() * virtual_nodes);

@@ -25,6 +25,13 @@ uint64_t Fnv1a64(absl::string_view data);
 uint64_t Fmix64(uint64_t k);
 inline uint64_t RouteHash(absl::string_view key) { return Fmix64(Fnv1a64(key)); }
 
+// The route key of the k-th attempt to place a sequence through a hashing proxy while
+// the daemons tried are down: the id itself for k = 0, else
+// "<id>#<16 hex digits of RouteHash("<id>#<k>")>". Well mixed on purpose: nginx hashes
+// keys with CRC32, under which ids with a short counter appended land in a few clusters
+// of its ring, often all on one daemon.
+std::string SaltedRoute(absl::string_view sequence_id, int k);
+
 class HashRing {
  public:
   static constexpr int kDefaultVirtualNodes = 160;

@@ -65,6 +65,12 @@ TEST(HashRingTest, MatchesTheTableThePythonClientChecks) {
       ASSERT_TRUE(rings.count(w[1])) << line;
       EXPECT_EQ(absl::StrJoin(rings.at(w[1]).Preference(Key(w[2])), ","), w[3]) << line;
       ++checked;
+    } else if (w[0] == "salted") {
+      ASSERT_EQ(w.size(), 4u) << line;
+      int k = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(w[2], &k)) << line;
+      EXPECT_EQ(SaltedRoute(Key(w[1]), k), w[3]) << line;
+      ++checked;
     } else {
       FAIL() << "unknown line: " << line;
     }

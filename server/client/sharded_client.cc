@@ -441,7 +441,9 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
 
   if (options_.via_proxy) {
     // The key's daemon first (or the key an earlier creation used), then salted keys,
-    // which hash to other daemons, while the one tried is unreachable.
+    // which hash to other daemons, while the one tried is unreachable. The salt is a
+    // well-mixed hash: nginx hashes with CRC32, under which keys that differ only in a
+    // short counter land near each other on its ring (often on one daemon).
     std::vector<std::string> routes;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -449,10 +451,10 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
       if (it != placements_.end()) routes.push_back(it->second.route);
     }
     for (int k = 0; static_cast<int>(routes.size()) < std::max(1, options_.proxy_create_attempts); ++k) {
-      std::string r = k == 0 ? id : absl::StrCat(id, "#", k);
+      std::string r = SaltedRoute(id, k);
       if (std::find(routes.begin(), routes.end(), r) == routes.end()) routes.push_back(std::move(r));
     }
-    absl::Status last;
+    std::string tried;
     for (const std::string& route : routes) {
       call.route = route;
       auto r = targets_[0]->client->CreateSequence(id, call);
@@ -461,10 +463,11 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
         placements_[id] = {0, route};
         return r;
       }
-      last = r.status();
-      if (last.code() != absl::StatusCode::kUnavailable) return last;
+      if (r.status().code() != absl::StatusCode::kUnavailable) return r.status();
+      absl::StrAppend(&tried, tried.empty() ? "" : "; ", route, ": ", r.status().message());
     }
-    return last;
+    return absl::UnavailableError(absl::StrCat("CreateSequence ", id, " through ", targets_[0]->address, ": ",
+                                               routes.size(), " route keys tried, each unavailable (", tried, ")"));
   }
 
   // A sequence this client placed stays where it is while that daemon is up (creating

@@ -11,7 +11,8 @@
 // - Through a proxy (via_proxy, one target: deploy/nginx, which hashes on the
 //   x-latentd-route header): the client sets the header and groups each batch's steps
 //   into one Decode stream per route key, since the proxy pins a whole stream to the
-//   daemon of the key it was opened with.
+//   daemon of the key it was opened with. Re-creating a sequence whose daemon is down
+//   moves it under a salted route key (SaltedRoute).
 //
 // DecodeBatch is the model runner's per-layer call: the steps of many sequences are
 // split by daemon (by route key through a proxy), each group goes out as one message
@@ -73,8 +74,9 @@ struct ShardedClientOptions {
   absl::Duration batch_timeout = absl::Seconds(30);   // one DecodeBatch
   int max_steps_per_message = 256;
   // Through a proxy, CreateSequence of a sequence whose daemon is down retries with
-  // route keys "<id>#1", "<id>#2", ... (which hash elsewhere) this many times in all.
-  int proxy_create_attempts = 8;
+  // salted route keys (SaltedRoute in hash_ring.h, which hash elsewhere) this many times in all: each
+  // lands on a dead daemon with the dead ones' share of the ring (1/3 for one of 3).
+  int proxy_create_attempts = 16;
 };
 
 struct TargetStatus {

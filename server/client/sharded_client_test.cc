@@ -401,7 +401,9 @@ TEST_F(ShardedClientTest, DownDaemonsSequencesFailUnavailableAndReCreateElsewher
   EXPECT_FALSE(c->Healthy(dead));
   EXPECT_FALSE(c->Status()[dead].last_error.empty());
   for (int t = 0; t < 3; ++t) {
-    if (t != dead) EXPECT_TRUE(c->Healthy(t));
+    if (t != dead) {
+      EXPECT_TRUE(c->Healthy(t));
+    }
   }
 
   std::vector<v1::DecodeStep> steps;
@@ -621,15 +623,17 @@ TEST_F(ShardedClientTest, ThroughAProxyOneStreamPerRouteKey) {
   fakes_[0]->service.refuse_own_route = true;
   auto id = c->CreateSequence("moved");
   ASSERT_TRUE(id.ok()) << id.status();
-  EXPECT_EQ(c->RouteKey("moved"), "moved#1");
+  const std::string salted = SaltedRoute("moved", 1);
+  EXPECT_EQ(salted, absl::StrCat("moved#", absl::Hex(RouteHash("moved#1"), absl::kZeroPad16)));
+  EXPECT_EQ(c->RouteKey("moved"), salted);
   ASSERT_TRUE(c->GetSequence("moved").ok());
-  EXPECT_EQ(fakes_[0]->service.routes().back(), "moved#1");
+  EXPECT_EQ(fakes_[0]->service.routes().back(), salted);
   fakes_[0]->service.ClearSeen();
   results = c->DecodeBatch({Step(1, "moved")});
   ASSERT_TRUE(results.ok());
   EXPECT_EQ(results->at(1).code(), 0);
   ASSERT_EQ(fakes_[0]->service.streams().size(), 1u);
-  EXPECT_EQ(fakes_[0]->service.streams()[0].route, "moved#1");
+  EXPECT_EQ(fakes_[0]->service.streams()[0].route, salted);
 
   // The proxy itself gone: the steps fail UNAVAILABLE.
   fakes_[0]->Stop();

@@ -5,7 +5,7 @@ import collections
 import os
 import unittest
 
-from latentd_client import HashRing, route_hash
+from latentd_client import HashRing, route_hash, salted_route
 from latentd_client.sharded import fnv1a64
 
 RUNFILES = os.path.join(os.environ.get("TEST_SRCDIR", "."), os.environ.get("TEST_WORKSPACE", "latentd"))
@@ -40,6 +40,9 @@ class RingTest(unittest.TestCase):
                     checked += 1
                 elif w[0] == "preference":
                     self.assertEqual(",".join(map(str, rings[w[1]].preference(key(w[2])))), w[3], line)
+                    checked += 1
+                elif w[0] == "salted":
+                    self.assertEqual(salted_route(key(w[1]), int(w[2])), w[3], line)
                     checked += 1
                 else:
                     self.fail(f"unknown line: {line}")

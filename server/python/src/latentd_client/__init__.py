@@ -14,6 +14,7 @@ from .sharded import (  # noqa: F401
     ShardedClient,
     HashRing,
     route_hash,
+    salted_route,
     missing_result_code,
 )
 from . import latentd_pb2, latentd_pb2_grpc  # noqa: F401

@@ -85,6 +85,14 @@ class HashRing:
         return order
 
 
+def salted_route(sequence_id, k):
+    """The route key of the k-th placement attempt through a proxy: the id for k = 0, else
+    "<id>#<16 hex digits of route_hash("<id>#<k>")>" (as the C++ client's SaltedRoute).
+    A well-mixed salt: nginx hashes with CRC32, under which keys differing only in a short
+    counter land near each other on its ring, often on one daemon."""
+    return sequence_id if k == 0 else f"{sequence_id}#{route_hash(f'{sequence_id}#{k}'):016x}"
+
+
 def missing_result_code(code):
     """The code (an int) of a step whose stream ended with grpc.StatusCode code before
     its result came: UNAVAILABLE for a broken or refused stream, the stream's own code
@@ -138,7 +146,7 @@ class ShardedClient:
     def __init__(self, targets, via_proxy=False, auth_token=None, tls=False, root_certificates=None,
                  server_name=None, virtual_nodes=HashRing.DEFAULT_VIRTUAL_NODES, connect_timeout=5.0,
                  health_interval=1.0, health_timeout=2.0, unhealthy_after=2, rpc_timeout=30.0,
-                 upload_timeout=600.0, batch_timeout=30.0, max_steps_per_message=256, proxy_create_attempts=8,
+                 upload_timeout=600.0, batch_timeout=30.0, max_steps_per_message=256, proxy_create_attempts=16,
                  append_chunk_bytes=4 << 20):
         targets = list(targets)
         if not targets:
@@ -373,7 +381,7 @@ class ShardedClient:
     def create_sequence(self, sequence_id=""):
         """Empty id: a random one (32 hex digits), chosen here so that it can be hashed.
         Placed on the first live daemon of the id's ring walk (through a proxy: the key's
-        daemon, then salted keys "<id>#1", "<id>#2", ... while that one is down)."""
+        daemon, then salted keys (salted_route) while the one tried is down)."""
         sid = sequence_id or secrets.token_hex(16)
         if self.via_proxy:
             with self._lock:
@@ -381,23 +389,25 @@ class ShardedClient:
             routes = [p[1]] if p else []
             k = 0
             while len(routes) < self._proxy_attempts:
-                r = sid if k == 0 else f"{sid}#{k}"
+                r = salted_route(sid, k)
                 if r not in routes:
                     routes.append(r)
                 k += 1
-            last = None
+            tried = []
             for route in routes:
                 try:
                     got = self._targets[0].client.create_sequence(sid, route=route, timeout=self._rpc_timeout)
                 except LatentdError as e:
                     if e.code != grpc.StatusCode.UNAVAILABLE:
                         raise
-                    last = e
+                    tried.append(f"{route}: {e.message}")
                     continue
                 with self._lock:
                     self._placements[sid] = (0, route)
                 return got
-            raise last
+            raise LatentdError(grpc.StatusCode.UNAVAILABLE,
+                               f"create_sequence {sid} through {self._targets[0].address}: {len(routes)} route keys "
+                               f"tried, each unavailable ({'; '.join(tried)})")
         with self._lock:
             p = self._placements.get(sid)
             if p is not None and self._usable_locked(p[0]):
