@@ -12,6 +12,9 @@ LATENTD_PACKAGES=(
   # tests/deploy: systemd-analyze (not in Debian's base image), the manifest parser, and
   # the Python package's install into a venv.
   systemd python3-yaml python3-venv python3-pip python3-setuptools python3-wheel
+  # Scale-out: the proxy of scripts/cluster.sh, deploy/nginx and its tests (Debian 12's
+  # nginx 1.22 has the gRPC proxy and hash ... consistent built in).
+  nginx
 )
 
 latentd_ensure_packages() {

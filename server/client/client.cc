@@ -5,9 +5,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-
 #include <thread>
 #include <utility>
 
@@ -35,12 +35,16 @@ absl::Status ToAbsl(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options, absl::Duration timeout) {
-  std::unique_ptr<Client> c(new Client());
-  c->options_ = options;
+void Client::MakeChannel(const ClientOptions& options) {
+  options_ = options;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(static_cast<int>(options.max_send_bytes));
+  if (options.max_reconnect_backoff_ms > 0) {
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, options.max_reconnect_backoff_ms);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(options.max_reconnect_backoff_ms, 100));
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(options.max_reconnect_backoff_ms, 100));
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (options.tls) {
     grpc::SslCredentialsOptions ssl;
@@ -48,15 +52,28 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     creds = grpc::SslCredentials(ssl);
     if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   }
-  c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
-  c->stub_ = v1::DecodeService::NewStub(c->channel_);
+  channel_ = grpc::CreateCustomChannel(options.target, creds, args);
+  stub_ = v1::DecodeService::NewStub(channel_);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options, absl::Duration timeout) {
+  std::unique_ptr<Client> c(new Client());
+  c->MakeChannel(options);
   if (!c->channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to ", options.target));
   }
-  auto info = c->GetInfo();
+  auto info = c->GetInfo(timeout);
   if (!info.ok()) return info.status();
   c->info_ = *info;
   c->shape_ = Shape(c->info_);
+  return c;
+}
+
+std::unique_ptr<Client> Client::Open(const ClientOptions& options, const v1::ServerInfo& info) {
+  std::unique_ptr<Client> c(new Client());
+  c->MakeChannel(options);
+  c->info_ = info;
+  c->shape_ = Shape(info);
   return c;
 }
 
@@ -64,18 +81,24 @@ void Client::Prepare(grpc::ClientContext* ctx) const {
   if (!options_.auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.auth_token);
 }
 
-absl::StatusOr<v1::ServerInfo> Client::GetInfo() {
+void Client::Prepare(grpc::ClientContext* ctx, absl::string_view route, absl::Duration timeout) const {
+  Prepare(ctx);
+  if (!route.empty()) ctx->AddMetadata(kRouteHeader, std::string(route));
+  if (timeout != absl::InfiniteDuration()) ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetInfo(absl::Duration timeout) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, "", timeout);
   v1::ServerInfo info;
   grpc::Status st = stub_->GetInfo(&ctx, v1::GetInfoRequest(), &info);
   if (!st.ok()) return ToAbsl(st);
   return info;
 }
 
-absl::StatusOr<std::string> Client::CreateSequence(absl::string_view sequence_id) {
+absl::StatusOr<std::string> Client::CreateSequence(absl::string_view sequence_id, const CallOptions& call) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::CreateSequenceRequest req;
   req.set_sequence_id(std::string(sequence_id));
   v1::CreateSequenceResponse resp;
@@ -85,23 +108,25 @@ absl::StatusOr<std::string> Client::CreateSequence(absl::string_view sequence_id
 }
 
 absl::StatusOr<v1::AppendKvResponse> Client::AppendKv(absl::string_view sequence_id, int layer,
-                                                      absl::string_view kv) {
-  return AppendKvParts(sequence_id, {{layer, kv}});
+                                                      absl::string_view kv, const CallOptions& call) {
+  return AppendKvParts(sequence_id, {{layer, kv}}, call);
 }
 
 absl::StatusOr<v1::AppendKvResponse> Client::AppendKvLayers(absl::string_view sequence_id,
-                                                            const std::vector<absl::string_view>& kv_per_layer) {
+                                                            const std::vector<absl::string_view>& kv_per_layer,
+                                                            const CallOptions& call) {
   std::vector<std::pair<int, absl::string_view>> parts;
   for (int layer = 0; layer < static_cast<int>(kv_per_layer.size()); ++layer) {
     if (!kv_per_layer[layer].empty()) parts.emplace_back(layer, kv_per_layer[layer]);
   }
-  return AppendKvParts(sequence_id, parts);
+  return AppendKvParts(sequence_id, parts, call);
 }
 
 absl::StatusOr<v1::AppendKvResponse> Client::AppendKvParts(
-    absl::string_view sequence_id, const std::vector<std::pair<int, absl::string_view>>& parts) {
+    absl::string_view sequence_id, const std::vector<std::pair<int, absl::string_view>>& parts,
+    const CallOptions& call) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::AppendKvResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::AppendKvRequest>> w = stub_->AppendKv(&ctx, &resp);
   const int64_t row = std::max<int64_t>(shape_.kv_row_bytes, 1);
@@ -130,9 +155,10 @@ absl::StatusOr<v1::AppendKvResponse> Client::AppendKvParts(
   return resp;
 }
 
-absl::StatusOr<std::string> Client::ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id) {
+absl::StatusOr<std::string> Client::ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id,
+                                                 const CallOptions& call) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::ForkSequenceRequest req;
   req.set_sequence_id(std::string(sequence_id));
   req.set_new_sequence_id(std::string(new_sequence_id));
@@ -142,9 +168,9 @@ absl::StatusOr<std::string> Client::ForkSequence(absl::string_view sequence_id, 
   return resp.sequence_id();
 }
 
-absl::StatusOr<int64_t> Client::ReleaseSequence(absl::string_view sequence_id) {
+absl::StatusOr<int64_t> Client::ReleaseSequence(absl::string_view sequence_id, const CallOptions& call) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::ReleaseSequenceRequest req;
   req.set_sequence_id(std::string(sequence_id));
   v1::ReleaseSequenceResponse resp;
@@ -153,9 +179,9 @@ absl::StatusOr<int64_t> Client::ReleaseSequence(absl::string_view sequence_id) {
   return resp.pages_freed();
 }
 
-absl::StatusOr<v1::SequenceInfo> Client::GetSequence(absl::string_view sequence_id) {
+absl::StatusOr<v1::SequenceInfo> Client::GetSequence(absl::string_view sequence_id, const CallOptions& call) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::GetSequenceRequest req;
   req.set_sequence_id(std::string(sequence_id));
   v1::SequenceInfo resp;
@@ -164,21 +190,27 @@ absl::StatusOr<v1::SequenceInfo> Client::GetSequence(absl::string_view sequence_
   return resp;
 }
 
-absl::StatusOr<std::string> Client::Health() {
+absl::StatusOr<std::string> Client::Health(absl::Duration timeout) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status st = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
   if (!st.ok()) return ToAbsl(st);
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
-std::unique_ptr<DecodeStream> Client::OpenDecodeStream() { return std::make_unique<DecodeStream>(this); }
+std::unique_ptr<DecodeStream> Client::OpenDecodeStream(absl::string_view route) {
+  return std::make_unique<DecodeStream>(this, route);
+}
 
 absl::StatusOr<std::map<uint64_t, v1::StepResult>> Client::DecodeAll(const std::vector<v1::DecodeStep>& steps,
-                                                                     int steps_per_message) {
-  auto stream = OpenDecodeStream();
+                                                                     int steps_per_message, const CallOptions& call) {
+  auto stream = std::make_unique<DecodeStream>(this,
+                                               !call.route.empty() ? absl::string_view(call.route)
+                                               : steps.empty()     ? absl::string_view()
+                                                                   : absl::string_view(steps.front().sequence_id()),
+                                               call.timeout);
   std::map<uint64_t, v1::StepResult> results;
   std::thread reader([&] {
     v1::DecodeResponse resp;
@@ -204,8 +236,8 @@ absl::StatusOr<std::map<uint64_t, v1::StepResult>> Client::DecodeAll(const std::
   return results;
 }
 
-DecodeStream::DecodeStream(Client* client) {
-  client->Prepare(&ctx_);
+DecodeStream::DecodeStream(Client* client, absl::string_view route, absl::Duration timeout) {
+  client->Prepare(&ctx_, route, timeout);
   rw_ = client->stub()->Decode(&ctx_);
 }
 

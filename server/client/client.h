@@ -28,6 +28,22 @@ struct ClientOptions {
   std::string tls_server_name;   // overrides the name checked against the certificate
   int64_t append_chunk_bytes = 4 << 20;  // AppendKv message size (rounded down to whole rows)
   int64_t max_send_bytes = 64 << 20;
+  // Longest wait between reconnection attempts after a connection failed (0: gRPC's
+  // default, up to 120 s); short lets a client find a restarted daemon soon.
+  int max_reconnect_backoff_ms = 0;
+};
+
+// Request metadata naming the sequence an RPC is about: a proxy in front of several
+// daemons (deploy/nginx) hashes on it to pick the daemon. Set on every sequence RPC.
+inline constexpr char kRouteHeader[] = "x-latentd-route";
+
+// Per-call settings of the sequence RPCs.
+struct CallOptions {
+  // x-latentd-route value; empty: the sequence id the call names (ForkSequence: the
+  // parent's, since the fork lives beside it).
+  std::string route;
+  // Deadline of the call; infinite: none.
+  absl::Duration timeout = absl::InfiniteDuration();
 };
 
 // Sizes of one step's tensors for a server's shape.
@@ -56,37 +72,55 @@ class Client {
   const v1::ServerInfo& info() const { return info_; }
   const Shape& shape() const { return shape_; }
 
-  absl::StatusOr<v1::ServerInfo> GetInfo();
-  absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id = "");
+  // A client of a server whose ServerInfo is already known (say from another daemon of
+  // the same model), without waiting for the connection: RPCs fail UNAVAILABLE while
+  // the server is unreachable. For ShardedClient's daemons that are down at start.
+  static std::unique_ptr<Client> Open(const ClientOptions& options, const v1::ServerInfo& info);
+
+  absl::StatusOr<v1::ServerInfo> GetInfo(absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id = "", const CallOptions& call = {});
   // Uploads rows [n, h_kv, 576] to one layer in chunks over one AppendKv stream.
-  absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv);
+  absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv,
+                                                const CallOptions& call = {});
   // Several layers' rows in one AppendKv stream (kv_per_layer[l] may be empty).
   absl::StatusOr<v1::AppendKvResponse> AppendKvLayers(absl::string_view sequence_id,
-                                                      const std::vector<absl::string_view>& kv_per_layer);
-  absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id = "");
-  absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id);
+                                                      const std::vector<absl::string_view>& kv_per_layer,
+                                                      const CallOptions& call = {});
+  absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id = "",
+                                           const CallOptions& call = {});
+  absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id, const CallOptions& call = {});
   // Lengths per layer and pages held: to resync after a stream broke part-way.
-  absl::StatusOr<v1::SequenceInfo> GetSequence(absl::string_view sequence_id);
+  absl::StatusOr<v1::SequenceInfo> GetSequence(absl::string_view sequence_id, const CallOptions& call = {});
   // grpc.health.v1 status of the whole server: "SERVING", "NOT_SERVING", ...
-  absl::StatusOr<std::string> Health();
+  absl::StatusOr<std::string> Health(absl::Duration timeout = absl::Seconds(5));
 
-  std::unique_ptr<DecodeStream> OpenDecodeStream();
+  // route: the stream's x-latentd-route (through a proxy, every step of the stream
+  // goes to the daemon this key hashes to, so a stream should carry one sequence's
+  // steps, or those of sequences sharing the key; ShardedClient groups them).
+  std::unique_ptr<DecodeStream> OpenDecodeStream(absl::string_view route = "");
 
   // Sends the steps on a fresh stream (in messages of up to steps_per_message), closes
   // the sending side and collects every result by request_id. The stream's final
-  // status is returned when it is not OK.
+  // status is returned when it is not OK. The stream's route is call.route, or the
+  // first step's sequence id; call.timeout bounds the whole stream.
   absl::StatusOr<std::map<uint64_t, v1::StepResult>> DecodeAll(const std::vector<v1::DecodeStep>& steps,
-                                                              int steps_per_message = 16);
+                                                              int steps_per_message = 16,
+                                                              const CallOptions& call = {});
 
   // Adds the bearer token (if any) to a context for calls made through stub().
   void Prepare(grpc::ClientContext* ctx) const;
+  // Prepare plus the route header (when route is not empty) and the deadline.
+  void Prepare(grpc::ClientContext* ctx, absl::string_view route, absl::Duration timeout) const;
+  const ClientOptions& options() const { return options_; }
   v1::DecodeService::Stub* stub() { return stub_.get(); }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
 
  private:
   Client() = default;
+  void MakeChannel(const ClientOptions& options);
   absl::StatusOr<v1::AppendKvResponse> AppendKvParts(absl::string_view sequence_id,
-                                                     const std::vector<std::pair<int, absl::string_view>>& parts);
+                                                     const std::vector<std::pair<int, absl::string_view>>& parts,
+                                                     const CallOptions& call);
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::DecodeService::Stub> stub_;
@@ -115,7 +149,8 @@ class SharedRegion {
 // One Decode stream (synchronous gRPC API): Write from one thread, Read from another.
 class DecodeStream {
  public:
-  DecodeStream(Client* client);
+  explicit DecodeStream(Client* client, absl::string_view route = "",
+                        absl::Duration timeout = absl::InfiniteDuration());
   ~DecodeStream();
   // Asks the server for a shared region of `bytes` bytes and maps it. Call before any
   // other Write and before reading: it writes one message and reads the answer. Works

@@ -34,6 +34,8 @@ assert latentd_pb2_grpc.DecodeServiceStub and health_pb2_grpc.HealthStub
 step = latentd_pb2.DecodeStep(request_id=7, sequence_id="s", layer=0, causal=True)
 assert latentd_pb2.DecodeRequest.FromString(latentd_pb2.DecodeRequest(steps=[step]).SerializeToString()).steps[0].request_id == 7
 assert health_pb2.HealthCheckRequest(service="latentd.v1.DecodeService").service
+from latentd_client import HashRing, ShardedClient, ROUTE_HEADER
+assert ROUTE_HEADER == "x-latentd-route" and HashRing(["a:1", "b:1"]).owner("seq") in (0, 1)
 PY
 
 "$latentd" --backend=cpu --cpu_threads=2 --listen=127.0.0.1:0 --port_file="$tmp/port" \

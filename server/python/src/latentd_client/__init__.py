@@ -5,8 +5,16 @@ from .client import (  # noqa: F401
     DecodeSession,
     StepOutput,
     LatentdError,
+    ROUTE_HEADER,
     to_wire,
     from_wire,
     reference_decode,
+)
+from .sharded import (  # noqa: F401
+    ShardedClient,
+    HashRing,
+    route_hash,
+    salted_route,
+    missing_result_code,
 )
 from . import latentd_pb2, latentd_pb2_grpc  # noqa: F401

@@ -15,6 +15,9 @@ from . import health_pb2, health_pb2_grpc, latentd_pb2, latentd_pb2_grpc
 
 HEAD_DIM_QK = 576
 HEAD_DIM_V = 512
+# Request metadata naming the sequence an RPC is about; a proxy in front of several
+# daemons (deploy/nginx) hashes on it. Set on every sequence RPC.
+ROUTE_HEADER = "x-latentd-route"
 
 
 class LatentdError(Exception):
@@ -89,11 +92,25 @@ class StepOutput:
 
 
 class LatentdClient:
-    """Connects to a latentd daemon and fetches its ServerInfo (model shape, dtype)."""
+    """Connects to a latentd daemon and fetches its ServerInfo (model shape, dtype).
+
+    With info= (a ServerInfo read from another daemon of the same model) the client
+    neither waits for the connection nor asks: its RPCs fail UNAVAILABLE while the
+    server is unreachable (ShardedClient's daemons that are down at start).
+    max_reconnect_backoff_ms shortens gRPC's wait between reconnection attempts.
+
+    The sequence RPCs take route= (the x-latentd-route value; default the sequence id,
+    a fork's parent id for fork_sequence) and timeout= (seconds; default none).
+    """
 
     def __init__(self, target="127.0.0.1:50051", auth_token=None, tls=False, root_certificates=None,
-                 server_name=None, timeout=10.0, append_chunk_bytes=4 << 20):
+                 server_name=None, timeout=10.0, append_chunk_bytes=4 << 20, info=None,
+                 max_reconnect_backoff_ms=None):
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 64 << 20)]
+        if max_reconnect_backoff_ms:
+            options += [("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
+                        ("grpc.initial_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms)),
+                        ("grpc.min_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms))]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if tls:
@@ -106,6 +123,10 @@ class LatentdClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._chunk = append_chunk_bytes
         self._ids = itertools.count(1)
+        self.target = target
+        if info is not None:
+            self.info = info
+            return
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
         self.info = self.get_info()
 
@@ -133,39 +154,43 @@ class LatentdClient:
     def unwire(self, data, shape):
         return from_wire(data, self.info.dtype, shape)
 
-    def _call(self, method, request):
+    def metadata(self, route=None):
+        """The call metadata: the bearer token, and the route header when route is set."""
+        return self._metadata + (((ROUTE_HEADER, route),) if route else ())
+
+    def _call(self, method, request, route=None, timeout=None):
         try:
-            return method(request, metadata=self._metadata)
+            return method(request, metadata=self.metadata(route), timeout=timeout)
         except grpc.RpcError as e:
             raise LatentdError(e.code(), e.details()) from None
 
-    def get_info(self):
-        return self._call(self.stub.GetInfo, latentd_pb2.GetInfoRequest())
+    def get_info(self, timeout=None):
+        return self._call(self.stub.GetInfo, latentd_pb2.GetInfoRequest(), timeout=timeout)
 
-    def health(self, service=""):
+    def health(self, service="", timeout=5.0):
         """'SERVING' or 'NOT_SERVING' (grpc.health.v1) of the server, or of one service
         ("latentd.v1.DecodeService")."""
-        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    def create_sequence(self, sequence_id=""):
-        return self._call(self.stub.CreateSequence,
-                          latentd_pb2.CreateSequenceRequest(sequence_id=sequence_id)).sequence_id
+    def create_sequence(self, sequence_id="", route=None, timeout=None):
+        return self._call(self.stub.CreateSequence, latentd_pb2.CreateSequenceRequest(sequence_id=sequence_id),
+                          route or sequence_id, timeout).sequence_id
 
-    def fork_sequence(self, sequence_id, new_sequence_id=""):
+    def fork_sequence(self, sequence_id, new_sequence_id="", route=None, timeout=None):
         req = latentd_pb2.ForkSequenceRequest(sequence_id=sequence_id, new_sequence_id=new_sequence_id)
-        return self._call(self.stub.ForkSequence, req).sequence_id
+        return self._call(self.stub.ForkSequence, req, route or sequence_id, timeout).sequence_id
 
-    def release_sequence(self, sequence_id):
+    def release_sequence(self, sequence_id, route=None, timeout=None):
         req = latentd_pb2.ReleaseSequenceRequest(sequence_id=sequence_id)
-        return self._call(self.stub.ReleaseSequence, req).pages_freed
+        return self._call(self.stub.ReleaseSequence, req, route or sequence_id, timeout).pages_freed
 
-    def get_sequence(self, sequence_id):
+    def get_sequence(self, sequence_id, route=None, timeout=None):
         """Lengths per layer and pages held (SequenceInfo): to resync after a broken stream."""
         req = latentd_pb2.GetSequenceRequest(sequence_id=sequence_id)
-        return self._call(self.stub.GetSequence, req)
+        return self._call(self.stub.GetSequence, req, route or sequence_id, timeout)
 
-    def append_kv(self, sequence_id, rows_by_layer):
+    def append_kv(self, sequence_id, rows_by_layer, route=None, timeout=None):
         """Uploads prefill rows: {layer: array [n, h_kv, 576]} (float or raw bytes).
 
         Returns the AppendKvResponse (tokens_appended, per-layer lengths).
@@ -182,18 +207,21 @@ class LatentdClient:
                                                       kv=bytes(data[start:start + chunk]))
                     first = False
 
-        return self._call(self.stub.AppendKv, messages())
+        return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
 
-    def open_session(self):
-        return DecodeSession(self)
+    def open_session(self, route=None):
+        """A Decode stream; route: its x-latentd-route (through a proxy the whole stream
+        goes to that key's daemon, so it should carry that sequence's steps only)."""
+        return DecodeSession(self, route)
 
     def decode(self, steps):
         """Runs steps on one Decode stream and returns their StepOutputs in order.
 
         Each step is a dict: sequence_id, layer, q [s_q, h_q, 576], kv [s_q, h_kv, 576],
-        causal (optional). Failed steps have .code != 0 and a .message.
+        causal (optional). Failed steps have .code != 0 and a .message. The stream's
+        route is the first step's sequence.
         """
-        with self.open_session() as session:
+        with self.open_session(steps[0]["sequence_id"] if steps else None) as session:
             ids = [session.submit(**s) for s in steps]
             session.close_send()
             got = {r.request_id: r for r in session.results()}
@@ -232,12 +260,12 @@ class DecodeSession:
 
     _END = object()
 
-    def __init__(self, client):
+    def __init__(self, client, route=None):
         self._client = client
         self._requests = queue.Queue()
         self._s_q = {}
         self._lock = threading.Lock()
-        self._responses = client.stub.Decode(self._request_iter(), metadata=client._metadata)
+        self._responses = client.stub.Decode(self._request_iter(), metadata=client.metadata(route))
 
     def _request_iter(self):
         while True:
