@@ -805,15 +805,19 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
   }
 
-  static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
-    absl::Status st;
+  // The fields every step has, wherever its tensors are.
+  static absl::Status CheckIdAndLayer(const wire::StepFields& in, const DecodeServiceImpl::Shape& sh) {
     if (in.sequence_id_bytes > 128) {
-      st = absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
-                                                   " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
-    } else {
-      st = CheckIdField("sequence_id", *in.sequence_id, false);
+      return absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
+                                                     " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
     }
+    absl::Status st = CheckIdField("sequence_id", *in.sequence_id, false);
     if (st.ok()) st = CheckLayer("layer", in.layer, sh.num_layers);
+    return st;
+  }
+
+  static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
+    absl::Status st = CheckIdAndLayer(in, sh);
     if (st.ok()) {
       const int64_t qb = in.q_bytes;
       if (qb == 0 || qb % sh.q_row_bytes != 0 || qb / sh.q_row_bytes > sh.max_s_q) {
@@ -879,14 +883,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // A step whose tensors are in the region: every tensor inside it and aligned.
   absl::Status ValidateRegion(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) const {
-    absl::Status st;
-    if (in.sequence_id_bytes > 128) {
-      st = absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
-                                                   " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
-    } else {
-      st = CheckIdField("sequence_id", *in.sequence_id, false);
-    }
-    if (st.ok()) st = CheckLayer("layer", in.layer, sh.num_layers);
+    absl::Status st = CheckIdAndLayer(in, sh);
     if (st.ok() && region_ == nullptr) {
       st = absl::InvalidArgumentError(
           "region: this stream has no shared region; send DecodeRequest.open_region_bytes first");
