@@ -371,7 +371,11 @@ void ManagerModel::TouchOp() {
     MODEL_CHECK(mgr_->LastUsed(mgr_->Find(sid)) == t) << sid;
     if (t < cutoff) want.push_back(sid);
   }
-  MODEL_CHECK(idle == want) << idle.size() << " idle, model says " << want.size();
+  // The manager's contract (manager.h): touches more out of order than its short walk
+  // back keep touch order, so an idle sequence behind a newer one is found late, never
+  // early. Every sequence it reports must be idle; it may report fewer.
+  MODEL_CHECK(std::includes(want.begin(), want.end(), idle.begin(), idle.end()))
+      << idle.size() << " idle, not all of them idle by the model's " << want.size();
 }
 
 // Pages that went free in the last operation remember the newest open read; a page
