@@ -26,19 +26,50 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
 }
 
+// Medians of the server's timestamps (StepTiming) of a steady client's steps, as
+// phases of its round trip, so a slow case says where its time went.
+struct Phases {
+  static constexpr int kN = 9;
+  std::vector<double> us[kN];
+  void Add(absl::Time sent, absl::Time read, const v1::StepTiming& t) {
+    const double at[kN + 1] = {absl::ToUnixMicros(sent) * 1.0, double(t.received_us()), double(t.parsed_us()),
+                               double(t.submitted_us()), double(t.batched_us()), double(t.launched_us()),
+                               double(t.finished_us()), double(t.completed_us()), double(t.response_us()),
+                               absl::ToUnixMicros(read) * 1.0};
+    for (int i = 0; i < kN; ++i) us[i].push_back(at[i + 1] - at[i]);
+  }
+  std::string Line() const {
+    static const char* kNames[kN] = {"send->read", "parse", "->engine", "queue", "stage",
+                                     "run",        "message", "build",   "write->client"};
+    std::string out;
+    for (int i = 0; i < kN; ++i) absl::StrAppend(&out, i ? " " : "", kNames[i], " ", Median(us[i]));
+    return out;
+  }
+  static double Median(std::vector<double> v) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  }
+};
+
 // One step at a time on one stream, each result checked; returns latencies in ms.
-std::vector<double> Steady(Tracker* t, const std::string& seq, int n) {
+std::vector<double> Steady(Tracker* t, const std::string& seq, int n, Phases* phases = nullptr) {
   auto stream = t->client()->OpenDecodeStream();
   std::vector<double> ms;
   for (int i = 0; i < n; ++i) {
     v1::DecodeRequest req;
     *req.add_steps() = t->Step(seq, 0);
+    req.mutable_steps(0)->set_trace(phases != nullptr);
     const absl::Time start = absl::Now();
     EXPECT_TRUE(stream->Write(req));
     v1::DecodeResponse resp;
     EXPECT_TRUE(stream->Read(&resp));
-    ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
-    for (const auto& r : resp.results()) EXPECT_TRUE(t->Check(r).ok()) << t->Check(r);
+    const absl::Time end = absl::Now();
+    ms.push_back(absl::ToDoubleMilliseconds(end - start));
+    for (const auto& r : resp.results()) {
+      EXPECT_TRUE(t->Check(r).ok()) << t->Check(r);
+      if (phases != nullptr && r.has_timing()) phases->Add(start, end, r.timing());
+    }
   }
   stream->WritesDone();
   v1::DecodeResponse resp;
@@ -160,14 +191,15 @@ TEST(FairnessTest, AFloodDoesNotStarveASteadyClient) {
   auto mine = steady.NewSequence({64});
   ASSERT_TRUE(mine.ok());
   Steady(&steady, *mine, 20);  // warm-up
-  const std::vector<double> alone = Steady(&steady, *mine, 200);
+  Phases alone_phases, control_phases, beside_phases;
+  const std::vector<double> alone = Steady(&steady, *mine, 200, &alone_phases);
 
   Flood elsewhere(other);
-  const std::vector<double> control = Steady(&steady, *mine, 200);
+  const std::vector<double> control = Steady(&steady, *mine, 200, &control_phases);
   const int control_results = elsewhere.Stop();
 
   Flood beside_flood(daemon);
-  const std::vector<double> beside = Steady(&steady, *mine, 200);
+  const std::vector<double> beside = Steady(&steady, *mine, 200, &beside_phases);
   const int flood_results = beside_flood.Stop();
 
   const double p50_alone = Percentile(alone, 0.5), p50_control = Percentile(control, 0.5),
@@ -176,6 +208,8 @@ TEST(FairnessTest, AFloodDoesNotStarveASteadyClient) {
       "steady client p50: %.2f ms alone, %.2f ms beside a flood on another daemon (%d flood results), %.2f ms "
       "beside a flood on its own daemon (%d flood results)\n",
       p50_alone, p50_control, control_results, p50_beside, flood_results);
+  std::printf("steady client's round trip, medians in us:\n  alone:  %s\n  other:  %s\n  beside: %s\n",
+              alone_phases.Line().c_str(), control_phases.Line().c_str(), beside_phases.Line().c_str());
   EXPECT_GT(flood_results, 1000) << "the flood must have been served too";
   // A timed test asserts a loose bound that a shared FIFO (a step queued behind the
   // flood's backlog: 100x) or a scheduler without fair shares fails by far; the 2x target
