@@ -48,6 +48,12 @@ class AttentionBackend {
   // scheduler then finishes it at once instead of after the next batch's launch, which
   // only pays when the launch is asynchronous.
   virtual bool SynchronousLaunch() const { return false; }
+
+  // Host memory that steps' tensors will lie in (see Engine::RegisterHostMemory): the
+  // address the device reaches `base` at, or 0 when this backend does not reach host
+  // memory directly (the CPU backend) or could not register it.
+  virtual uint64_t RegisterHostMemory(void* base, size_t bytes) { return 0; }
+  virtual void UnregisterHostMemory(void* base) {}
 };
 
 // kCpu always works; kCuda fails without a device or without CUDA support built in;

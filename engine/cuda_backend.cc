@@ -2,7 +2,10 @@
 // steps (planner on the host, SM80 kernel and combine from kernels/). Inputs travel in
 // one pinned host-to-device copy per batch on a copy stream, so the next batch's copy
 // overlaps this batch's compute; results come back into pinned memory. Two staging
-// slots, allocated once: nothing is allocated per step.
+// slots, allocated once: nothing is allocated per step. Steps whose tensors lie in
+// registered host memory (a same-host client's region) skip the host staging: one
+// copy-list kernel reads their q and rows from it over PCIe, another writes out and lse
+// back into it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -65,6 +68,8 @@ class CudaBackend final : public AttentionBackend {
     max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(T) * row_bytes_);
     max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(T) * sizeof(int64_t));
     max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(E) * sizeof(int32_t));
+    // Copy lists of steps in registered memory: q and rows in, out and lse back.
+    max_fixed_in_bytes_ = AlignUp(max_fixed_in_bytes_ + size_t(4) * E * sizeof(DeviceCopy));
     out_lse_bytes_ = AlignUp(size_t(T) * h_q * sizeof(float));
     out_bytes_ = out_lse_bytes_ + size_t(T) * h_q * kHeadDimV * 2;
     for (auto& s : slots_) {
@@ -111,6 +116,26 @@ class CudaBackend final : public AttentionBackend {
 
   std::string Name() const override { return name_; }
   kv::KvStorage* storage() override { return storage_.get(); }
+
+  uint64_t RegisterHostMemory(void* base, size_t bytes) override {
+    cudaSetDevice(o_.device);
+    if (cudaHostRegister(base, bytes, cudaHostRegisterMapped) != cudaSuccess) {
+      cudaGetLastError();  // not sticky; the caller falls back to staged copies
+      return 0;
+    }
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, base, 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaHostUnregister(base);
+      return 0;
+    }
+    return reinterpret_cast<uint64_t>(dev);
+  }
+
+  void UnregisterHostMemory(void* base) override {
+    cudaSetDevice(o_.device);
+    cudaHostUnregister(base);
+  }
   const kv::KvCacheConfig& kv_config() const override { return config_; }
 
   void Stage(Batch& batch) override {
@@ -135,19 +160,41 @@ class CudaBackend final : public AttentionBackend {
     s.off_kv = AlignUp(size_t(tokens) * h_q * kHeadDimQK * 2);
     s.off_dst = AlignUp(s.off_kv + size_t(tokens) * row_bytes_);
     s.off_seqlens = AlignUp(s.off_dst + size_t(tokens) * sizeof(int64_t));
-    s.off_tables = AlignUp(s.off_seqlens + entries * sizeof(int32_t));
+    s.off_copies = AlignUp(s.off_seqlens + entries * sizeof(int32_t));
+    size_t direct = 0;  // steps in registered memory
+    for (int k : s.order) direct += batch.entries[k].step->device_base != 0;
+    s.off_tables = AlignUp(s.off_copies + 4 * direct * sizeof(DeviceCopy));
     char* q = s.host_in;
     char* kv = s.host_in + s.off_kv;
     auto* dst = reinterpret_cast<int64_t*>(s.host_in + s.off_dst);
     auto* seqlens = reinterpret_cast<int32_t*>(s.host_in + s.off_seqlens);
     auto* tables = reinterpret_cast<int32_t*>(s.host_in + s.off_tables);
+    auto* copies = reinterpret_cast<DeviceCopy*>(s.host_in + s.off_copies);
+    s.copies_in = s.copies_out = 0;
+    s.max_copy_in = s.max_copy_out = 0;
+    s.staged_tokens = 0;
+    const uint64_t dev_in = reinterpret_cast<uint64_t>(s.dev_in), dev_out = reinterpret_cast<uint64_t>(s.dev_out);
+    const size_t q_token = size_t(h_q) * kHeadDimQK * 2, out_token = size_t(h_q) * kHeadDimV * 2;
     int token = 0;
     s.rows = 0;
     for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
       const BatchEntry& e = batch.entries[s.order[k]];
       const DecodeStep& step = *e.step;
-      std::memcpy(q + size_t(token) * h_q * kHeadDimQK * 2, step.q.data(), step.q.size());
-      std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.data(), step.kv.size());
+      if (step.device_base != 0) {
+        // In registered memory: the copy lists move it (in: q, rows; out: out, lse).
+        auto dev = [&](const void* p) {
+          return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
+        };
+        DeviceCopy* in = copies + 2 * s.copies_in;
+        in[0] = {dev(step.q.data()), dev_in + token * q_token, step.q.size()};
+        in[1] = {dev(step.kv.data()), dev_in + s.off_kv + s.rows * row_bytes_, step.kv.size()};
+        s.max_copy_in = std::max<uint64_t>(s.max_copy_in, std::max(step.q.size(), step.kv.size()));
+        ++s.copies_in;
+      } else {
+        std::memcpy(q + size_t(token) * q_token, step.q.data(), step.q.size());
+        std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.data(), step.kv.size());
+        s.staged_tokens += step.s_q;
+      }
       for (int r = 0; r < e.num_slots; ++r)
         for (int t = 0; t < e.slots[r].n; ++t)
           dst[s.rows++] = (e.page_offset + e.slots[r].page) * kPageSize + e.slots[r].row + t;
@@ -157,6 +204,24 @@ class CudaBackend final : public AttentionBackend {
     }
     s.tokens = token;
     s.in_bytes = s.off_tables + entries * s.width * sizeof(int32_t);
+    // Out copies follow the in copies: out and lse of each step in registered memory.
+    token = 0;
+    DeviceCopy* out_copies = copies + 2 * s.copies_in;
+    for (int k : s.order) {
+      const DecodeStep& step = *batch.entries[k].step;
+      if (step.device_base != 0) {
+        auto dev = [&](const void* p) {
+          return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
+        };
+        const size_t out_bytes = size_t(step.s_q) * out_token, lse_bytes = size_t(step.s_q) * h_q * sizeof(float);
+        DeviceCopy* c = out_copies + 2 * s.copies_out;
+        c[0] = {dev_out + out_lse_bytes_ + token * out_token, dev(step.out), out_bytes};
+        c[1] = {dev_out + token * h_q * sizeof(float), dev(step.lse), lse_bytes};
+        s.max_copy_out = std::max<uint64_t>(s.max_copy_out, out_bytes);
+        ++s.copies_out;
+      }
+      token += step.s_q;
+    }
     // Plans come from the host copy of the seqlens, before anything is sent.
     for (size_t g = 0; g < s.groups.size(); ++g) {
       kernels::MlaDecodeParams p = GroupParams(s, s.groups[g], /*device=*/false);
@@ -172,6 +237,11 @@ class CudaBackend final : public AttentionBackend {
                                  "inputs to device");
     if (st.ok()) st = CudaStatus(cudaEventRecord(s.h2d_done, copy_stream_), "event");
     if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(stream_, s.h2d_done, 0), "wait");
+    if (st.ok() && s.copies_in > 0)
+      st = CudaStatus(static_cast<cudaError_t>(LaunchCopyList(reinterpret_cast<const DeviceCopy*>(
+                                                                  s.dev_in + s.off_copies),
+                                                              2 * s.copies_in, s.max_copy_in, stream_)),
+                      "inputs from registered memory");
     if (st.ok())
       st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRows(
                           s.dev_in + s.off_kv, reinterpret_cast<const int64_t*>(s.dev_in + s.off_dst), s.rows,
@@ -193,10 +263,17 @@ class CudaBackend final : public AttentionBackend {
       if (!ks.ok()) FailGroup(batch, s, grp, absl::InternalError("decode launch: " + ks.message));
     }
     const int h_q = o_.model.num_heads_q;
-    st = CudaStatus(cudaMemcpyAsync(s.host_out, s.dev_out, size_t(s.tokens) * h_q * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream_),
-                    "lse to host");
-    if (st.ok())
+    if (s.copies_out > 0)
+      st = CudaStatus(static_cast<cudaError_t>(LaunchCopyList(
+                          reinterpret_cast<const DeviceCopy*>(s.dev_in + s.off_copies) + 2 * s.copies_in,
+                          2 * s.copies_out, s.max_copy_out, stream_)),
+                      "results to registered memory");
+    // Staged results come back in one copy each; skipped when every step wrote in place.
+    if (st.ok() && s.staged_tokens > 0)
+      st = CudaStatus(cudaMemcpyAsync(s.host_out, s.dev_out, size_t(s.tokens) * h_q * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_),
+                      "lse to host");
+    if (st.ok() && s.staged_tokens > 0)
       st = CudaStatus(cudaMemcpyAsync(s.host_out + out_lse_bytes_, s.dev_out + out_lse_bytes_,
                                       size_t(s.tokens) * h_q * kHeadDimV * 2, cudaMemcpyDeviceToHost, stream_),
                       "out to host");
@@ -219,7 +296,10 @@ class CudaBackend final : public AttentionBackend {
  private:
   struct Slot {
     char* host_in = nullptr;  // pinned: q | new rows | destination rows | seqlens | block tables
-    size_t off_kv = 0, off_dst = 0, off_seqlens = 0, off_tables = 0;  // this batch's packing
+    size_t off_kv = 0, off_dst = 0, off_seqlens = 0, off_copies = 0, off_tables = 0;  // this batch's packing
+    int copies_in = 0, copies_out = 0;  // steps in registered memory (two copies each way)
+    uint64_t max_copy_in = 0, max_copy_out = 0;
+    int staged_tokens = 0;  // tokens of steps staged through host_in / host_out
     char* dev_in = nullptr;
     char* host_out = nullptr;  // pinned: lse | out
     char* dev_out = nullptr;

@@ -232,6 +232,11 @@ class EngineImpl final : public Engine {
     queue_.Wake();
   }
 
+  uint64_t RegisterHostMemory(void* base, size_t bytes) override {
+    return backend_->RegisterHostMemory(base, bytes);
+  }
+  void UnregisterHostMemory(void* base) override { backend_->UnregisterHostMemory(base); }
+
   EngineMetrics Metrics() const override {
     EngineMetrics m = metrics_.Snapshot();
     {

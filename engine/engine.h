@@ -107,6 +107,11 @@ struct DecodeStep {
   absl::string_view kv;  // [s_q, h_kv, 576] the new tokens' latent rows
   char* out = nullptr;   // [s_q, h_q, 512] model dtype, written on success
   float* lse = nullptr;  // [h_q, s_q]
+  // Set when q, kv, out and lse all lie in memory given to Engine::RegisterHostMemory:
+  // its base and the device address it returned. The backend then moves them straight
+  // between that memory and the device, with no staging copy on the host.
+  const char* host_base = nullptr;
+  uint64_t device_base = 0;
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;
@@ -183,6 +188,14 @@ class Engine {
   virtual void SubmitBatch(DecodeStep* const* steps, int n, absl::Status* statuses) {
     for (int i = 0; i < n; ++i) statuses[i] = Submit(steps[i]);
   }
+
+  // Host memory that steps' tensors will lie in for a while (a same-host client's shared
+  // region). Returns the device address of `base` when the backend moves tensors there
+  // directly (CUDA: the memory is pinned and mapped; this takes time, about that of
+  // touching every page once), 0 when it does not; steps then set host_base and
+  // device_base. Unregister only when no step using it is in flight.
+  virtual uint64_t RegisterHostMemory(void* base, size_t bytes) { return 0; }
+  virtual void UnregisterHostMemory(void* base) {}
 
   virtual EngineMetrics Metrics() const = 0;
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -518,6 +519,75 @@ TEST_F(EngineTest, SubmitBatchRunsInOneLaunch) {
 // Two flows (say, a stream and its replacement after a reconnect) step the same
 // sequence and layer alternately: the steps still run one per batch in the order
 // submitted, each over the rows of the ones before it.
+// Steps whose tensors lie in registered host memory (a same-host client's region) are
+// moved by the device straight from and into it, beside staged steps in the same
+// launch; one step sits at 2-byte (not 16-byte) aligned offsets. The CPU backend does
+// not register memory, and the same steps run staged.
+TEST_F(EngineTest, StepsInRegisteredHostMemory) {
+  EngineOptions o = Model(2, 32, 2);
+  o.batch_window = absl::Milliseconds(20);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 31);
+  const size_t region_bytes = size_t(8) << 20;
+  std::vector<char> region(region_bytes + 4096);
+  char* base = region.data() + (4096 - reinterpret_cast<uintptr_t>(region.data()) % 4096) % 4096;
+  const uint64_t dev = engine->RegisterHostMemory(base, region_bytes);
+#ifdef LATENTD_TEST_CUDA
+  EXPECT_NE(dev, 0u) << "the CUDA backend registers host memory";
+#else
+  EXPECT_EQ(dev, 0u);
+#endif
+  std::vector<std::string> seqs = {h.NewSequence(70), h.NewSequence(300), h.NewSequence(1), h.NewSequence(129)};
+  std::vector<Harness::Pending*> steps;
+  std::vector<bool> direct;
+  size_t at = 0;
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Harness::Pending* p = h.MakeStep(seqs[i], int(i % 2), 1 + int(i % 3), i % 2 == 1);
+      const bool in_region = (i + round) % 2 == 0;
+      if (in_region) {
+        at += (i == 2 ? 2 : 0);  // one unaligned step
+        auto place = [&](size_t bytes) {
+          char* ptr = base + at;
+          at = (at + bytes + 15) / 16 * 16 + (i == 2 ? 2 : 0);
+          return ptr;
+        };
+        char* q = place(p->q.size());
+        std::memcpy(q, p->q.data(), p->q.size());
+        char* kv = place(p->kv.size());
+        std::memcpy(kv, p->kv.data(), p->kv.size());
+        char* out = place(p->out.size() * 2);
+        std::memcpy(out, p->out.data(), p->out.size() * 2);
+        at = (at + 3) / 4 * 4;
+        char* lse = place(p->lse.size() * 4);
+        std::memcpy(lse, p->lse.data(), p->lse.size() * 4);
+        p->step.q = absl::string_view(q, p->q.size());
+        p->step.kv = absl::string_view(kv, p->kv.size());
+        p->step.out = out;
+        p->step.lse = reinterpret_cast<float*>(lse);
+        if (dev != 0) {
+          p->step.host_base = base;
+          p->step.device_base = dev;
+        }
+        ASSERT_LE(at, region_bytes);
+      }
+      steps.push_back(p);
+      direct.push_back(in_region);
+    }
+  ASSERT_TRUE(h.SubmitBatch(steps).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (size_t k = 0; k < steps.size(); ++k) {
+    Harness::Pending* p = steps[k];
+    if (direct[k]) {  // results are in the region: bring them home for the check
+      std::memcpy(p->out.data(), p->step.out, p->out.size() * 2);
+      std::memcpy(p->lse.data(), p->step.lse, p->lse.size() * 4);
+    }
+    EXPECT_TRUE(h.Check(*p, kExact)) << "step " << k << (direct[k] ? " (in registered memory)" : " (staged)");
+  }
+  if (dev != 0) engine->UnregisterHostMemory(base);
+}
+
 TEST_F(EngineTest, SequenceLayerOrderHoldsAcrossFlows) {
   EngineOptions o = Model(2, 16);
   o.batch_window = absl::ZeroDuration();

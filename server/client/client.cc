@@ -45,6 +45,7 @@ void Client::MakeChannel(const ClientOptions& options) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(options.max_reconnect_backoff_ms, 100));
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(options.max_reconnect_backoff_ms, 100));
   }
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (options.tls) {
     grpc::SslCredentialsOptions ssl;

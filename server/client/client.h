@@ -31,6 +31,11 @@ struct ClientOptions {
   // Longest wait between reconnection attempts after a connection failed (0: gRPC's
   // default, up to 120 s); short lets a client find a restarted daemon soon.
   int max_reconnect_backoff_ms = 0;
+  // A TCP connection of this client's own. gRPC otherwise shares one connection among
+  // every channel of the process to the same target with the same arguments, so two
+  // clients (a runner's layers, a bulk uploader beside a decoder) would queue behind
+  // each other's messages in one HTTP/2 connection. false: share it.
+  bool own_connection = true;
 };
 
 // Request metadata naming the sequence an RPC is about: a proxy in front of several

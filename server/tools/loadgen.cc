@@ -46,6 +46,9 @@ ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(bool, tls, false, "connect with TLS");
 ABSL_FLAG(std::string, tls_root_certs, "", "PEM file of trusted roots for --tls (default: system roots)");
 ABSL_FLAG(std::string, tls_server_name, "", "name expected in the server certificate");
+ABSL_FLAG(int, connections, 8,
+          "TCP connections the streams are spread over (each a client of its own, as separate "
+          "clients would be)");
 ABSL_FLAG(bool, release, true, "release the sequences at the end");
 
 namespace latentd::loadgen {
@@ -165,6 +168,18 @@ int Main() {
     return 2;
   }
   std::unique_ptr<Client> c = std::move(*connected);
+  // Stream t uses conns[t % n]; conns[0] is c, which also sets up and releases.
+  std::vector<std::unique_ptr<Client>> extra;
+  std::vector<Client*> conns = {c.get()};
+  for (int i = 1; i < std::max(1, absl::GetFlag(FLAGS_connections)); ++i) {
+    auto more = Client::Connect(co);
+    if (!more.ok()) {
+      std::fprintf(stderr, "loadgen: %s\n", more.status().ToString().c_str());
+      return 2;
+    }
+    extra.push_back(std::move(*more));
+    conns.push_back(extra.back().get());
+  }
   const v1::ServerInfo info = c->info();
   const client::Shape shape = c->shape();
   const kernels::DType dtype = client::DTypeOf(info);
@@ -272,7 +287,7 @@ int Main() {
       std::condition_variable cv;
       std::unordered_map<uint64_t, Pending> pending;
       std::vector<float> lat;
-      auto stream = c->OpenDecodeStream();
+      auto stream = conns[t % conns.size()]->OpenDecodeStream();
       std::thread reader([&] {
         v1::DecodeResponse resp;
         while (stream->Read(&resp)) {
@@ -374,8 +389,8 @@ int Main() {
   const double p50 = Percentile(lat, 0.50) / 1000, p90 = Percentile(lat, 0.90) / 1000,
                p99 = Percentile(lat, 0.99) / 1000;
   const double max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end()) / 1000;
-  std::printf("loadgen: %d streams, %d sequences x %d-token prefixes, %d layer(s), s_q %d%s, window %d, %.1f s\n",
-              n_streams, n_seq, prefix, layers, s_q, s_q > 1 && causal ? " causal" : "", window, elapsed);
+  std::printf("loadgen: %d streams over %zu connections, %d sequences x %d-token prefixes, %d layer(s), s_q %d%s, window %d, %.1f s\n",
+              n_streams, conns.size(), n_seq, prefix, layers, s_q, s_q > 1 && causal ? " causal" : "", window, elapsed);
   std::printf("steps: %lu ok, %lu failed; %.1f steps/s\n", static_cast<unsigned long>(totals.ok.load()),
               static_cast<unsigned long>(totals.failed.load()), ok_at_stop / elapsed);
   std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", p50, p90, p99, max);

@@ -262,7 +262,15 @@ int Main() {
   for (int r = 0; r < R; ++r)
     threads.emplace_back([&, r] {
       RunnerStats& st = stats[r];
-      auto stream = c->OpenDecodeStream();
+      // Each runner is a client of its own, on its own connection, as separate model
+      // runners are.
+      auto own = Client::Connect(co);
+      if (!own.ok()) {
+        std::fprintf(stderr, "runner_bench: runner %d: %s\n", r, own.status().ToString().c_str());
+        std::exit(2);
+      }
+      std::unique_ptr<Client> mine = std::move(*own);
+      auto stream = mine->OpenDecodeStream();
       // Region layout: step b's q, kv, out and lse in slot b.
       const uint64_t q_at = 0, kv_at = shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
                      lse_at = out_at + shape.OutBytes(s_q), slot = (lse_at + shape.LseBytes(s_q) + 255) / 256 * 256;

@@ -98,6 +98,9 @@ class LatentdClient:
     neither waits for the connection nor asks: its RPCs fail UNAVAILABLE while the
     server is unreachable (ShardedClient's daemons that are down at start).
     max_reconnect_backoff_ms shortens gRPC's wait between reconnection attempts.
+    own_connection (default) gives the client a TCP connection of its own: gRPC otherwise
+    shares one among every channel of the process to the same target, so two clients
+    would queue behind each other's messages in one HTTP/2 connection.
 
     The sequence RPCs take route= (the x-latentd-route value; default the sequence id,
     a fork's parent id for fork_sequence) and timeout= (seconds; default none).
@@ -105,8 +108,10 @@ class LatentdClient:
 
     def __init__(self, target="127.0.0.1:50051", auth_token=None, tls=False, root_certificates=None,
                  server_name=None, timeout=10.0, append_chunk_bytes=4 << 20, info=None,
-                 max_reconnect_backoff_ms=None):
+                 max_reconnect_backoff_ms=None, own_connection=True):
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", 64 << 20)]
+        if own_connection:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if max_reconnect_backoff_ms:
             options += [("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
                         ("grpc.initial_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms)),
