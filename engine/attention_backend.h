@@ -48,6 +48,8 @@ class AttentionBackend {
   // scheduler then finishes it at once instead of after the next batch's launch, which
   // only pays when the launch is asynchronous.
   virtual bool SynchronousLaunch() const { return false; }
+  // Whether Finish(batch) would return without waiting (the device is done with it).
+  virtual bool Ready(Batch& batch) { return true; }
 
   // Host memory that steps' tensors will lie in (see Engine::RegisterHostMemory): the
   // address the device reaches `base` at, or 0 when this backend does not reach host

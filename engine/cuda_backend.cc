@@ -281,6 +281,12 @@ class CudaBackend final : public AttentionBackend {
     s.launch_status = st;
   }
 
+  bool Ready(Batch& batch) override {
+    Slot& s = slots_[batch.slot];
+    if (s.order.empty() || !s.launch_status.ok()) return true;
+    return cudaEventQuery(s.done) != cudaErrorNotReady;  // an error is reported by Finish
+  }
+
   void Finish(Batch& batch) override {
     Slot& s = slots_[batch.slot];
     if (s.order.empty()) return;

@@ -480,6 +480,12 @@ class EngineImpl final : public Engine {
       Form(batch);
       FailCollected();
       const bool launched = !batch.entries.empty();
+      // A batch the device has already finished is delivered before the next one is
+      // staged, so its results do not wait for that staging (tens to hundreds of us).
+      if (launched && inflight != nullptr && backend_->Ready(*inflight)) {
+        Finish(*inflight);
+        inflight = nullptr;
+      }
       if (launched) {
         Stage(batch);
         batch.launched_at = absl::Now();
