@@ -23,36 +23,55 @@ Status CudaStatus(cudaError_t e, const char* what) {
   return {Code::kCudaError, std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
 }
 
-int TileIndex(int tile_rows) { return tile_rows == 16 ? 0 : tile_rows == 32 ? 1 : -1; }
+int TileIndex(int tile_rows) { return tile_rows == 16 ? 0 : tile_rows == 32 ? 1 : tile_rows == 64 ? 2 : -1; }
 
-// Tile choice by the rows sharing one KV head (heads per KV head x query tokens).
-int ChooseTileRows(const MlaDecodeParams& p) {
-  const int rows = (p.h_q / p.h_kv) * p.s_q;
-  return rows <= 16 ? 16 : 32;
+// Tile choice by the rows sharing one KV head (heads per KV head x query tokens): the
+// memory-bound 16-row tile up to 16, the 64-row compute tile from 64 (one KV stage
+// serves 64 rows), the 32-row tile between.
+int TileRowsFor(int rows) { return rows <= 16 ? 16 : rows < 64 ? 32 : 64; }
+int ChooseTileRows(const MlaDecodeParams& p) { return TileRowsFor((p.h_q / p.h_kv) * p.s_q); }
+
+template <int kRows>
+struct TileKernels {
+  static const void* Kernel(DType dtype) {
+    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Kernel() : Decoder<DType::kFP16, kRows>::Kernel();
+  }
+  static cudaError_t Prepare(DType dtype) {
+    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
+  }
+  static cudaError_t Launch(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
+    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Launch(args, stream)
+                                 : Decoder<DType::kFP16, kRows>::Launch(args, stream);
+  }
+};
+
+int ThreadsOf(int tile_rows) {
+  switch (tile_rows) {
+    case 16:
+      return sm80::kCtaThreads<16>;
+    case 32:
+      return sm80::kCtaThreads<32>;
+    case 64:
+      return sm80::kCtaThreads<64>;
+    default:
+      return 0;
+  }
 }
 
+bool KnownDType(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kFP16; }
+
 const void* KernelOf(DType dtype, int tile_rows) {
-  switch (dtype) {
-    case DType::kBF16:
-      switch (tile_rows) {
-        case 16:
-          return Decoder<DType::kBF16, 16>::Kernel();
-        case 32:
-          return Decoder<DType::kBF16, 32>::Kernel();
-        default:
-          return nullptr;
-      }
-    case DType::kFP16:
-      switch (tile_rows) {
-        case 16:
-          return Decoder<DType::kFP16, 16>::Kernel();
-        case 32:
-          return Decoder<DType::kFP16, 32>::Kernel();
-        default:
-          return nullptr;
-      }
+  if (!KnownDType(dtype)) return nullptr;
+  switch (tile_rows) {
+    case 16:
+      return TileKernels<16>::Kernel(dtype);
+    case 32:
+      return TileKernels<32>::Kernel(dtype);
+    case 64:
+      return TileKernels<64>::Kernel(dtype);
+    default:
+      return nullptr;
   }
-  return nullptr;
 }
 
 int SmemOf(int tile_rows) {
@@ -61,33 +80,25 @@ int SmemOf(int tile_rows) {
       return Decoder<DType::kBF16, 16>::SmemBytes();
     case 32:
       return Decoder<DType::kBF16, 32>::SmemBytes();
+    case 64:
+      return Decoder<DType::kBF16, 64>::SmemBytes();
     default:
       return 0;
   }
 }
 
 cudaError_t PrepareKernel(DType dtype, int tile_rows) {
-  switch (dtype) {
-    case DType::kBF16:
-      switch (tile_rows) {
-        case 16:
-          return Decoder<DType::kBF16, 16>::Prepare();
-        case 32:
-          return Decoder<DType::kBF16, 32>::Prepare();
-        default:
-          return cudaErrorInvalidValue;
-      }
-    case DType::kFP16:
-      switch (tile_rows) {
-        case 16:
-          return Decoder<DType::kFP16, 16>::Prepare();
-        case 32:
-          return Decoder<DType::kFP16, 32>::Prepare();
-        default:
-          return cudaErrorInvalidValue;
-      }
+  if (!KnownDType(dtype)) return cudaErrorInvalidValue;
+  switch (tile_rows) {
+    case 16:
+      return TileKernels<16>::Prepare(dtype);
+    case 32:
+      return TileKernels<32>::Prepare(dtype);
+    case 64:
+      return TileKernels<64>::Prepare(dtype);
+    default:
+      return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
 }
 
 // Switches to `device` for the duration of a scope when it is not already current.
@@ -113,7 +124,7 @@ class DeviceScope {
 // Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy
 // calculator; cached so that planning costs no driver call after the first.
 constexpr int kMaxCachedDevices = 64;
-std::atomic<int> g_occupancy[kMaxCachedDevices][2][2];
+std::atomic<int> g_occupancy[kMaxCachedDevices][2][sm80::kNumTileConfigs];
 
 Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   const int ti = TileIndex(tile_rows);
@@ -132,7 +143,7 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   cudaError_t e = PrepareKernel(dtype, tile_rows);
   if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
   int n = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), sm80::kThreads,
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), ThreadsOf(tile_rows),
                                                     SmemOf(tile_rows));
   if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (n < 1) return {Code::kUnsupported, "decode kernel does not fit on this device"};
@@ -154,7 +165,8 @@ int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
 // configuration's KV tile, so no tile straddles two partitions (or two pages).
 constexpr int kSplitGranularity = 32;
 static_assert(kSplitGranularity % sm80::TileConfig<16>::kKeys == 0 &&
-                  kSplitGranularity % sm80::TileConfig<32>::kKeys == 0 && kPageSize % kSplitGranularity == 0,
+                  kSplitGranularity % sm80::TileConfig<32>::kKeys == 0 &&
+                  kSplitGranularity % sm80::TileConfig<64>::kKeys == 0 && kPageSize % kSplitGranularity == 0,
               "partition granularity must be whole KV tiles within a page");
 
 // Calls with at most this many keys over all (sequence, KV head, row tile) streams are
@@ -197,7 +209,7 @@ bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
 }
 
 Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
-  if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16 or 32 (use PlanDecode)");
+  if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16, 32 or 64 (use PlanDecode)");
   if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
   if (plan.keys_per_split < kSplitGranularity || plan.keys_per_split % kSplitGranularity != 0)
     return Status::Invalid("plan.keys_per_split: expected a positive multiple of " + std::to_string(kSplitGranularity));
@@ -249,17 +261,19 @@ Status QueryDevice(int device, DeviceInfo* info) {
   return Status::Ok();
 }
 
-Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host, DecodePlan* plan) {
+Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host, DecodePlan* plan,
+                  int tile_rows) {
   if (!plan) return Status::Invalid("plan: expected a pointer");
   Status s = ValidateParams(p);
   if (!s.ok()) return s;
   if (p.batch > 0 && !seqlens_host) return Status::Invalid("seqlens_host: expected a host copy of seqlens [b]");
   if (dev.sm_count < 1) return Status::Invalid("dev: expected a DeviceInfo filled by QueryDevice");
   DecodePlan r;
-  r.tile_rows = ChooseTileRows(p);
+  if (tile_rows != 0 && TileIndex(tile_rows) < 0) return Status::Invalid("tile_rows: expected 0, 16, 32 or 64");
+  r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(p);
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
-  r.threads = sm80::kThreads;
+  r.threads = ThreadsOf(r.tile_rows);
   r.smem_bytes = SmemOf(r.tile_rows);
   s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
   if (!s.ok()) return s;
@@ -288,7 +302,7 @@ size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, in
   // The slot count uses the largest occupancy any tile can have (registers cap it at 16
   // CTAs of 128 threads on SM80+).
   const int rows = (h_q / h_kv) * s_q;
-  const int tile = rows <= 16 ? 16 : 32;
+  const int tile = TileRowsFor(rows);
   const int row_tiles = (rows + tile - 1) / tile;
   int ctas = 0;
   if (!Occupancy(dev.device, DType::kBF16, tile, &ctas).ok()) ctas = 16;
@@ -316,34 +330,21 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
   s = CheckPlan(p, plan, workspace_bytes, workspace);
   if (!s.ok()) return s;
   const DecodeArgs args = MakeArgs(p, plan, workspace);
+  if (!KnownDType(p.dtype)) return {Code::kUnsupported, "dtype: no kernel"};
   cudaError_t e = cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kBF16:
-      switch (plan.tile_rows) {
-        case 16:
-          e = Decoder<DType::kBF16, 16>::Launch(args, stream);
-          break;
-        case 32:
-          e = Decoder<DType::kBF16, 32>::Launch(args, stream);
-          break;
-        default:
-          return Status::Invalid("no bf16 kernel for tile_rows " + std::to_string(plan.tile_rows));
-      }
+  switch (plan.tile_rows) {
+    case 16:
+      e = TileKernels<16>::Launch(p.dtype, args, stream);
       break;
-    case DType::kFP16:
-      switch (plan.tile_rows) {
-        case 16:
-          e = Decoder<DType::kFP16, 16>::Launch(args, stream);
-          break;
-        case 32:
-          e = Decoder<DType::kFP16, 32>::Launch(args, stream);
-          break;
-        default:
-          return Status::Invalid("no fp16 kernel for tile_rows " + std::to_string(plan.tile_rows));
-      }
+    case 32:
+      e = TileKernels<32>::Launch(p.dtype, args, stream);
+      break;
+    case 64:
+      e = TileKernels<64>::Launch(p.dtype, args, stream);
       break;
     default:
-      return {Code::kUnsupported, "dtype: no kernel"};
+      return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +
+                             std::to_string(plan.tile_rows));
   }
   if (e != cudaSuccess) return CudaStatus(e, "decode kernel launch");
   return Status::Ok();
@@ -387,7 +388,7 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
     if (e != cudaSuccess) return CudaStatus(e, "cudaFuncGetAttributes");
     TileOccupancy t;
     t.tile_rows = tile;
-    t.threads = sm80::kThreads;
+    t.threads = ThreadsOf(tile);
     t.regs_per_thread = attr.numRegs;
     t.smem_bytes = SmemOf(tile) + static_cast<int>(attr.sharedSizeBytes);
     Status s = Occupancy(dev.device, dtype, tile, &t.ctas_per_sm);

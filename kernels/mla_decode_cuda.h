@@ -41,8 +41,10 @@ struct DecodePlan {
 // Chooses the tile configuration and cuts sequences into split-K partitions from the
 // seqlens (host copy, [b]) and from how many CTAs of that configuration fit on the
 // device (cudaOccupancyMaxActiveBlocksPerMultiprocessor), never a fixed SM count.
+// tile_rows: 0 for the planner's choice, or 16, 32 or 64 to force one (benchmarks and
+// tests comparing tiles on one shape).
 Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t* seqlens_host,
-                  DecodePlan* plan);
+                  DecodePlan* plan, int tile_rows = 0);
 
 // Device workspace (split-K: arrival counters of the fused combine, partial outputs and
 // LSEs) that LaunchDecode needs.

@@ -33,6 +33,10 @@ struct TileConfig<16> {
   static constexpr int kKeys = LATENTD_TILE16_KEYS;      // keys per staged KV tile (and per softmax step)
   static constexpr int kStages = LATENTD_TILE16_STAGES;  // cp.async pipeline depth
   static constexpr bool kQInRegisters = true;
+  static constexpr int kGroups = 1;       // groups of 4 warps, each owning kRows / kGroups rows
+  static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
+  static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
+  static constexpr int kMinCtasPerSm = 2;
 };
 
 // Many rows (> 16): compute-heavy. 32 rows, because the fp32 output accumulator of a
@@ -45,7 +49,35 @@ struct TileConfig<32> {
   static constexpr int kKeys = 16;
   static constexpr int kStages = 2;
   static constexpr bool kQInRegisters = false;
+  static constexpr int kGroups = 1;
+  static constexpr int kQRegSteps = 0;
+  static constexpr int kExchangePasses = 1;
+  static constexpr int kMinCtasPerSm = 2;
 };
+
+// 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
+// CTA of 256 threads, each group today's 32-row decomposition (dims split for QK^T,
+// columns for PV), sharing 32-key KV stages: every KV byte staged once serves 64 rows,
+// and Q is re-read every 32 keys instead of 16 (docs/kernel-tuning.md, round 7).
+// One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
+// partial scores 16 KB = 160 KB, within A100's 163 KB per CTA, because the partial
+// scores go through in two passes of 16 keys. (Holding 2 of each warp's 9 Q k-steps in
+// registers instead fits too, but spills: the O accumulator alone is 128 registers.)
+template <>
+struct TileConfig<64> {
+  static constexpr int kRowsPerTile = 64;
+  static constexpr int kKeys = 32;
+  static constexpr int kStages = 2;
+  static constexpr bool kQInRegisters = false;
+  static constexpr int kGroups = 2;
+  static constexpr int kQRegSteps = 0;
+  static constexpr int kExchangePasses = 2;
+  static constexpr int kMinCtasPerSm = 1;
+};
+
+// Threads per CTA of a tile configuration.
+template <int kRows>
+inline constexpr int kCtaThreads = kThreads * TileConfig<kRows>::kGroups;
 
 // Split-K combine fused into the decode kernel: the last CTA of a (sequence, KV head,
 // row tile) to finish merges that stream's partials itself, read back from L2 by that one
@@ -67,7 +99,7 @@ inline constexpr int kMaxFusedSplits = LATENTD_MAX_FUSED_SPLITS;
 inline constexpr int kMaxFusedStreams = 4096;
 
 // Row tiles the planner can choose, smallest first.
-inline constexpr int kTileRowOptions[] = {16, 32};
-inline constexpr int kNumTileConfigs = 2;
+inline constexpr int kTileRowOptions[] = {16, 32, 64};
+inline constexpr int kNumTileConfigs = 3;
 
 }  // namespace latentd::kernels::sm80

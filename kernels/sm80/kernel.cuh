@@ -92,22 +92,31 @@ __device__ __forceinline__ uint32_t PackLowBf16(float lo, float hi, uint32_t pac
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
   return row * kHeadDimQK + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
 }
+// The same swizzle for rows of kChunks chunks (a multiple of 8): the Q tile, which keeps
+// fewer than 72 chunks per row when some of Q lives in registers.
+template <int kChunks>
+__device__ __forceinline__ int SwizzleRow(int row, int chunk) {
+  static_assert(kChunks % 8 == 0, "whole 128-byte groups per row");
+  return row * kChunks * 8 + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
+}
 
 // Fused split-K combine, run by the last CTA of a stream to finish: out = sum_i w_i o_i
 // over the stream's n partitions for rows [row0, row0 + nrows), with w[i][r] in shared
 // memory. Thread t owns output columns 4t .. 4t+3 of every row (a warp reads 512
 // contiguous bytes of a partial row), and each pass keeps kR rows x kN partitions of
 // 16-byte loads in flight (16 per thread, 32 KB per CTA) so the CTA's L2 reads overlap.
+// With more than 128 threads, each 128 takes every other group of kR rows.
 template <DType kDType, int kRows, int kN, int kR>
 __device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
                                             int64_t prow0, const float* w) {
   static_assert(kR * kN <= 16, "loads in flight per thread: more raise the kernel's register count");
-  static_assert(kThreads * 4 == kHeadDimV, "one float4 of columns per thread");
+  static_assert(kThreads * 4 == kHeadDimV, "one float4 of columns per thread of 128");
+  constexpr int kPhases = kCtaThreads<kRows> / kThreads;
   const MlaDecodeParams& p = args.p;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x % kThreads, phase = threadIdx.x / kThreads;
   const int group = p.h_q / p.h_kv, rows_total = p.h_q * p.s_q;
   const float* src = args.o_part + prow0 * kHeadDimV + tid * 4;
-  for (int r0 = 0; r0 < nrows; r0 += kR) {
+  for (int r0 = phase * kR; r0 < nrows; r0 += kR * kPhases) {
     float4 v[kR][kN];
 #pragma unroll
     for (int r = 0; r < kR; ++r)
@@ -151,7 +160,7 @@ __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int k
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
   // Partial row of (partition 0, tile row 0); partition i is i * rows_total further.
   const int64_t prow0 = int64_t(b) * args.num_splits * rows_total + int64_t(kvh) * rows_kv + row0;
-  for (int r = tid; r < nrows; r += kThreads) {
+  for (int r = tid; r < nrows; r += kCtaThreads<kRows>) {
     float lp[kMaxN];
     float m = -INFINITY;
 #pragma unroll
@@ -196,7 +205,7 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
   const int n_valid = (p.seqlens[b] + args.keys_per_split - 1) / args.keys_per_split;
   __threadfence();
   __syncthreads();  // also: every warp is past the main loop, shared memory is free
-  int* last_flag = reinterpret_cast<int*>(&sm.s_part[0][0][0][0][0]);
+  int* last_flag = reinterpret_cast<int*>(&sm.s_part[0][0][0][0][0][0]);
   if (threadIdx.x == 0) {
     const unsigned int arrived =
         atomicInc(args.counters + int64_t(blockIdx.z) * args.row_tiles + blockIdx.x, unsigned(n_valid - 1));
@@ -215,25 +224,36 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 
 }  // namespace detail
 
+// Warps come in groups of 4 (Cfg::kGroups of them): a group owns kRows / kGroups rows
+// of the tile, and its warp gw takes dims 144 gw .. 144 gw + 143 of QK^T and output
+// columns 128 gw .. 128 gw + 127 of PV. The groups share the KV stages.
 template <DType kDType, int kRows>
-__global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs args) {
+__global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCtasPerSm)
+    MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
   using Cfg = TileConfig<kRows>;
   using Plan = SharedMemoryPlan<kRows>;
+  constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   constexpr int kStages = Cfg::kStages;
-  constexpr int kMT = kRows / 16;  // m16 tiles per warp (each warp covers every row)
-  constexpr int kNT = kN / 8;      // n8 score tiles per KV tile
+  constexpr int kGroupRows = kRows / Cfg::kGroups;
+  constexpr int kMT = kGroupRows / 16;  // m16 tiles per warp (each warp covers its group's rows)
+  constexpr int kNT = kN / 8;           // n8 score tiles per KV tile
   constexpr int kKSteps = kDimsPerWarp / 16;  // 9
   constexpr int kVT = kColsPerWarp / 8;       // 16 n8 output tiles per warp
+  // k-steps of each warp's Q slice held in registers (all of them for the 16-row tile).
+  constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : Cfg::kQRegSteps;
+  static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
   static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
-  static_assert((kN * (kHeadDimQK / 8)) % kThreads == 0, "KV tile copy must divide evenly");
+  static_assert((kN * (kHeadDimQK / 8)) % kCta == 0, "KV tile copy must divide evenly");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
 
   const MlaDecodeParams& p = args.p;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int grp = tid >> 7, warp = (tid >> 5) & 3;  // group, and warp within the group
+  const int grow0 = grp * kGroupRows;                 // the group's first row in the tile
   const int tile = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv;
   const int seqlen = p.seqlens[b];
@@ -266,8 +286,8 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
     const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
     const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
 #pragma unroll
-    for (int i = 0; i < kN * (kHeadDimQK / 8) / kThreads; ++i) {
-      const int id = tid + i * kThreads;
+    for (int i = 0; i < kN * (kHeadDimQK / 8) / kCta; ++i) {
+      const int id = tid + i * kCta;
       const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
       const bool valid = key0 + key < cta_end;
       const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
@@ -283,15 +303,20 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
            int64_t(head) * p.q_head_stride;
   };
 
-  // Q: shared memory (32-row tile, copied here) or registers (16-row tile, loaded below).
-  uint32_t qf[Cfg::kQInRegisters ? kKSteps : 1][4];
+  // Q: registers (16-row tile: all of it; 64-row tile: each warp's first kQRegSteps
+  // k-steps, loaded below) and shared memory (the rest, copied here). In shared memory
+  // a row holds, warp slice after warp slice, the k-steps not in registers.
+  uint32_t qf[kRegSteps > 0 ? kRegSteps : 1][kMT][4];
   if constexpr (!Cfg::kQInRegisters) {
+    constexpr int kQC = Plan::kQChunks, kSliceChunks = kQC / kWarps;
     const uint32_t dst0 = SmemAddr(&sm.q[0][0]);
-    for (int id = tid; id < kRows * (kHeadDimQK / 8); id += kThreads) {
-      const int r = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+    for (int id = tid; id < kRows * kQC; id += kCta) {
+      const int r = id / kQC, chunk = id % kQC;
+      const int w = chunk / kSliceChunks, c = chunk % kSliceChunks;
+      const int dim = w * kDimsPerWarp + (Cfg::kQRegSteps + c / 2) * 16 + (c & 1) * 8;
       const bool valid = row0 + r < rows_kv;
-      const uint16_t* src = valid ? q_row_ptr(r) + chunk * 8 : static_cast<const uint16_t*>(p.q);
-      CpAsync16(dst0 + Swizzle(r, chunk) * 2, src, valid);
+      const uint16_t* src = valid ? q_row_ptr(r) + dim : static_cast<const uint16_t*>(p.q);
+      CpAsync16(dst0 + SwizzleRow<kQC>(r, chunk) * 2, src, valid);
     }
   }
 
@@ -306,29 +331,32 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
   // off the copy-issue path.
   int next_page = kStages - 1 < num_tiles ? page_of(kStages - 1) : 0;
 
-  // Q in registers: this warp's 144 dims in A-fragment order.
-  if constexpr (Cfg::kQInRegisters) {
-    const int r = lane >> 2, c = (lane & 3) * 2;
-    const bool v0 = row0 + r < rows_kv, v1 = row0 + r + 8 < rows_kv;
-    const uint16_t* q0 = v0 ? q_row_ptr(r) : nullptr;
-    const uint16_t* q1 = v1 ? q_row_ptr(r + 8) : nullptr;
+  // Q in registers: this warp's first kRegSteps k-steps in A-fragment order.
+  if constexpr (kRegSteps > 0) {
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const int d = warp * kDimsPerWarp + ks * 16 + c;
-      qf[ks][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
-      qf[ks][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
-      qf[ks][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
-      qf[ks][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+    for (int mt = 0; mt < kMT; ++mt) {
+      const int r = grow0 + mt * 16 + (lane >> 2), c = (lane & 3) * 2;
+      const bool v0 = row0 + r < rows_kv, v1 = row0 + r + 8 < rows_kv;
+      const uint16_t* q0 = v0 ? q_row_ptr(r) : nullptr;
+      const uint16_t* q1 = v1 ? q_row_ptr(r + 8) : nullptr;
+#pragma unroll
+      for (int ks = 0; ks < kRegSteps; ++ks) {
+        const int d = warp * kDimsPerWarp + ks * 16 + c;
+        qf[ks][mt][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
+        qf[ks][mt][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
+        qf[ks][mt][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
+        qf[ks][mt][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+      }
     }
   }
 
-  // Per-thread rows: m-tile mt, half h -> tile row mt*16 + lane/4 + 8h.
+  // Per-thread rows: m-tile mt, half h -> tile row grow0 + mt*16 + lane/4 + 8h.
   int row_limit[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = min(row0 + mt * 16 + (lane >> 2) + 8 * h, rows_kv - 1);
+      const int row = min(row0 + grow0 + mt * 16 + (lane >> 2) + 8 * h, rows_kv - 1);
       row_limit[mt][h] = limit_of(row / group);
     }
 
@@ -370,15 +398,19 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
     for (int ks = 0; ks < kKSteps; ++ks) {
       const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
       uint32_t a[kMT][4];
-      if constexpr (Cfg::kQInRegisters) {
+      if (ks < kRegSteps) {  // unrolled: decided at compile time
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[0][e] = qf[ks][e];
-      } else {
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = qf[ks < kRegSteps ? ks : 0][mt][e];
+      } else if constexpr (!Cfg::kQInRegisters) {
+        constexpr int kQC = Plan::kQChunks;
+        const int qchunk0 = (warp * (kKSteps - Cfg::kQRegSteps) + ks - Cfg::kQRegSteps) * 2;
         const uint32_t q_base = SmemAddr(&sm.q[0][0]);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          const int r = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          Ldmatrix4(a[mt], q_base + Swizzle(r, chunk0 + (lane >> 4)) * 2);
+          const int r = grow0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          Ldmatrix4(a[mt], q_base + SwizzleRow<kQC>(r, qchunk0 + (lane >> 4)) * 2);
         }
       }
 #pragma unroll
@@ -394,32 +426,46 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
       }
     }
     // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
-    // bit-identical scores and run identical softmax arithmetic.
+    // bit-identical scores and run identical softmax arithmetic; a warp's own partial
+    // comes from its registers (the same bits it stored), so each warp reads 3 of the 4.
+    // The 64-row tile exchanges its 32 keys in two passes of 16 through one buffer,
+    // which is what lets Q stay whole in shared memory within A100's 163 KB.
+    constexpr int kPasses = Cfg::kExchangePasses, kPassNT = kNT / kPasses;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass > 0) __syncthreads();  // every warp has read the previous pass
 #pragma unroll
-      for (int j = 0; j < kNT; ++j)
-        *reinterpret_cast<float4*>(&sm.s_part[warp][mt][j][lane][0]) =
-            make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
-    __syncthreads();
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        float4 v = *reinterpret_cast<const float4*>(&sm.s_part[0][mt][j][lane][0]);
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) {
-          const float4 u = *reinterpret_cast<const float4*>(&sm.s_part[w][mt][j][lane][0]);
-          v.x += u.x;
-          v.y += u.y;
-          v.z += u.z;
-          v.w += u.w;
+        for (int jj = 0; jj < kPassNT; ++jj) {
+          const int j = pass * kPassNT + jj;
+          *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
+              make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
         }
-        s[mt][j][0] = v.x;
-        s[mt][j][1] = v.y;
-        s[mt][j][2] = v.z;
-        s[mt][j][3] = v.w;
-      }
+      __syncthreads();
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int jj = 0; jj < kPassNT; ++jj) {
+          const int j = pass * kPassNT + jj;
+          const float4 own = make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+          float4 v = own;
+          if (warp != 0) v = *reinterpret_cast<const float4*>(&sm.s_part[grp][0][mt][jj][lane][0]);
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) {
+            float4 u = own;
+            if (w != warp) u = *reinterpret_cast<const float4*>(&sm.s_part[grp][w][mt][jj][lane][0]);
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+          }
+          s[mt][j][0] = v.x;
+          s[mt][j][1] = v.y;
+          s[mt][j][2] = v.z;
+          s[mt][j][3] = v.w;
+        }
+    }
 
     // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
     const int key0 = key_begin + t * kN;
@@ -523,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 2) MlaDecodeKernel(const DecodeArgs 
       float l = l_run[mt][h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int row = row0 + mt * 16 + (lane >> 2) + 8 * h;
+      const int row = row0 + grow0 + mt * 16 + (lane >> 2) + 8 * h;
       if (row >= rows_kv) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse = l > 0.f ? (m_run[mt][h] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
@@ -582,7 +628,7 @@ cudaError_t Decoder<kDType, kRows>::Launch(const DecodeArgs& args, cudaStream_t 
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows><<<grid, kThreads, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -12,25 +12,31 @@ namespace latentd::kernels::sm80 {
 template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters>
 struct SharedMemoryPlan {
   using Cfg = TileConfig<kRows>;
+  // 16-byte chunks of Q per row kept in shared memory: each warp's 9 k-steps of 16 dims,
+  // less the kQRegSteps it holds in registers, warp after warp.
+  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;
   // KV tiles, [stage][key][576] 16-bit elements, 16-byte chunks XOR-swizzled per row so
   // that the 8 rows one ldmatrix reads fall in 8 different bank groups.
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
-  // Q tile [row][576], same swizzle (only when Q is not held in registers).
-  uint16_t q[kRows][kHeadDimQK];
+  // Q tile [row][kQChunks * 8], same swizzle (only when Q is not held in registers).
+  uint16_t q[kRows][kQChunks * 8];
   // Partial scores of each warp in mma accumulator order:
-  // [warp][m-tile][n-tile][lane] x 4 floats, read back lane-for-lane (conflict-free).
-  float s_part[kWarps][kRows / 16][Cfg::kKeys / 8][32][4];
+  // [group][warp][m-tile][n-tile of the pass][lane] x 4 floats, read back lane-for-lane
+  // (conflict-free).
+  float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
 template <int kRows>
 struct SharedMemoryPlan<kRows, false> {
   using Cfg = TileConfig<kRows>;
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
-  float s_part[kWarps][kRows / 16][Cfg::kKeys / 8][32][4];
+  float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
-// A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit.
+// A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
+// tiles, and the 64-row tile must fit A100's 163 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
+static_assert(sizeof(SharedMemoryPlan<64>) <= 163 * 1024, "64-row tile: within A100's 163 KB per CTA");
 
 }  // namespace latentd::kernels::sm80
