@@ -2,7 +2,7 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,7 +51,11 @@ double Median(std::vector<double> v) {
 struct Config {
   int b, h_q, s_k;
   DType dtype;
+  int s_q = 1;
+  bool causal = false;
 };
+
+int g_tile = 0;  // --tile: force the planner's tile (0: its choice)
 
 constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
 
@@ -63,7 +67,7 @@ struct Result {
 
 Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* pool, size_t pool_elems,
                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  const int h_kv = 1, s_q = 1;
+  const int h_kv = 1, s_q = c.s_q;
   const int pages_per_seq = (c.s_k + kernels::kPageSize - 1) / kernels::kPageSize;
   const size_t page_elems = size_t(kernels::kPageSize) * h_kv * kernels::kHeadDimQK;
   const int64_t pool_pages = int64_t(pool_elems / page_elems);
@@ -108,7 +112,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* poo
     p.num_pages = static_cast<int>(pool_pages);
     p.max_pages_per_seq = pages_per_seq;
     p.softmax_scale = 1.0f / 24.0f;
-    p.causal = false;
+    p.causal = c.causal;
     kernels::SetContiguousStrides(&p);
     p.q = d_q + q_elems * k;
     p.kv = pool;
@@ -124,7 +128,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* poo
   CHECK_CUDA(cudaEventCreate(&e1));
   Result r{};
   r.copies = copies;
-  CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan));
+  CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
     std::exit(1);
@@ -147,7 +151,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* poo
     // Whole call: host planner + kernel (+ fused or separate combine).
     const double w = time_one([&] {
       DecodePlan plan;
-      CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan));
+      CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
     // The decode kernel alone, on the plan made beforehand, over the next copy of the
@@ -177,6 +181,7 @@ int Main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
   }
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
@@ -222,10 +227,12 @@ int Main(int argc, char** argv) {
       {4, 16, 4096, DType::kBF16},    {16, 16, 1024, DType::kBF16},   {16, 16, 4096, DType::kBF16},
       {64, 128, 4096, DType::kBF16},  {128, 128, 2048, DType::kBF16}, {32, 64, 8192, DType::kBF16},
       {64, 16, 4096, DType::kFP16},   {1, 16, 65536, DType::kFP16},   {64, 128, 4096, DType::kFP16},
+      // Multi-token prediction: 2 query tokens, causal.
+      {64, 128, 4096, DType::kBF16, 2, true}, {32, 16, 8192, DType::kBF16, 2, true},
   };
   size_t ws_bytes = 0;
   for (const auto& c : configs)
-    ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, 1, c.h_q, 1));
+    ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, c.s_q, c.h_q, 1));
   void* ws = nullptr;
   CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
   CHECK_OK(kernels::InitDecodeWorkspace(ws, ws_bytes, stream));  // once: the decode keeps it valid
@@ -242,11 +249,12 @@ int Main(int argc, char** argv) {
       std::printf("%s tile %2d rows: %3d regs, %6d B smem, %d CTAs/SM here, %d on A100\n", d ? "fp16" : "bf16",
                   tiles[d][i].tile_rows, tiles[d][i].regs_per_thread, tiles[d][i].smem_bytes,
                   tiles[d][i].ctas_per_sm, tiles[d][i].ctas_per_sm_a100);
-  std::printf("median of %d runs; GB/s counts the KV cache once; s_q 1, h_kv 1\n\n", runs);
+  std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s\n\n", runs,
+              g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "");
   std::printf(
-      "| dtype | b | h_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
+      "| dtype | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& c : configs) {
     if (!only.empty()) {
       char buf[64];
@@ -256,14 +264,17 @@ int Main(int argc, char** argv) {
     CHECK_CUDA(LaunchRandomFill(pool, pool_elems, c.s_k * 31 + c.b, c.dtype == DType::kBF16, stream));
     const Result r = RunConfig(dev, c, runs, pool, pool_elems, ws, ws_bytes, stream);
     const double kv_bytes = double(c.b) * c.s_k * kernels::kHeadDimQK * 2;
-    const double flops = 2.0 * c.b * c.h_q * c.s_k * (kernels::kHeadDimQK + kernels::kHeadDimV);
+    // Keys seen per query row, summed over the s_q rows (causal: row i sees s_k - s_q + i + 1).
+    const double keys = c.causal ? double(c.s_q) * c.s_k - c.s_q * (c.s_q - 1) / 2.0 : double(c.s_q) * c.s_k;
+    const double flops = 2.0 * c.b * c.h_q * keys * (kernels::kHeadDimQK + kernels::kHeadDimV);
     const int d = c.dtype == DType::kBF16 ? 0 : 1;
     int a100 = 0;
     for (int i = 0; i < ntiles[d]; ++i)
       if (tiles[d][i].tile_rows == r.plan.tile_rows) a100 = tiles[d][i].ctas_per_sm_a100;
     auto gbs = [&](double ms) { return kv_bytes / (ms * 1e-3) / 1e9; };
-    std::printf("| %s | %d | %d | %d | %d x %d | %d x %d | %d (%d) | %.4f | %.0f | %.1f | %.1f | %.4f | %.0f | %.1f | %.1f |\n",
-                c.dtype == DType::kBF16 ? "bf16" : "fp16", c.b, c.h_q, c.s_k, r.plan.tile_rows, r.plan.row_tiles,
+    std::printf("| %s | %d | %d | %d%s | %d | %d x %d | %d x %d | %d (%d) | %.4f | %.0f | %.1f | %.1f | %.4f | %.0f | %.1f | %.1f |\n",
+                c.dtype == DType::kBF16 ? "bf16" : "fp16", c.b, c.h_q, c.s_q, c.causal ? " causal" : "", c.s_k,
+                r.plan.tile_rows, r.plan.row_tiles,
                 r.plan.num_splits, r.plan.keys_per_split, r.plan.ctas_per_sm, a100, r.whole_ms, gbs(r.whole_ms),
                 100 * gbs(r.whole_ms) / ceiling, flops / (r.whole_ms * 1e-3) / 1e12, r.kernel_ms, gbs(r.kernel_ms),
                 100 * gbs(r.kernel_ms) / ceiling, flops / (r.kernel_ms * 1e-3) / 1e12);

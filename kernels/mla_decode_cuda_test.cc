@@ -210,6 +210,34 @@ TEST(GpuDecode, SweepFp16) {
   Sweep(DType::kFP16);
 }
 
+// The compute tile over 64 to 1024 rows per KV head: h_q 64 and 128, s_q 1-8, causal
+// and not, lengths from empty to past a page edge, h_kv 1 and 2, with and without
+// split-K (forced 64-key partitions: the combine kernel; 128: fused up to 2).
+TEST(GpuDecode, ComputeTileSweep) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(17);
+  int n = 0, failed = 0;
+  for (DType dt : {DType::kBF16, DType::kFP16})
+    for (int hq : {64, 128})
+      for (int s_q = 1; s_q <= 8; ++s_q)
+        for (bool causal : {false, true}) {
+          ProblemShape s;
+          s.dtype = dt;
+          s.batch = 3;
+          s.h_q = hq;
+          s.h_kv = s_q == 3 ? 2 : 1;
+          s.s_q = s_q;
+          s.causal = causal;
+          s.seqlens = {0, 64 + s_q, 200};
+          for (int kps : {0, 64, 128}) {
+            ++n;
+            if (!Check(s, rng, kps)) ++failed;
+          }
+        }
+  std::printf("compute tile sweep: %d problems, %d failed\n", n, failed);
+  EXPECT_EQ(failed, 0);
+}
+
 // A small representative subset (both tiles, splits, causal, empty sequences), sized for
 // compute-sanitizer memcheck and racecheck.
 TEST(GpuDecode, Subset) {
@@ -312,8 +340,16 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_LE(plan.num_splits * 64, plan.ctas_per_sm * g.dev.sm_count);
   p.h_q = 128;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 64);
+  EXPECT_EQ(plan.row_tiles, 2);
+  p.h_q = 32;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 32);
+  p.h_q = 128;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan, 32).ok());  // forced
   EXPECT_EQ(plan.tile_rows, 32);
   EXPECT_EQ(plan.row_tiles, 4);
+  EXPECT_EQ(PlanDecode(g.dev, p, pr.seqlens.data(), &plan, 48).code, Code::kInvalidArgument);
 
   // Errors come back as Status.
   MlaDecodeParams bad = pr.Params();
@@ -332,13 +368,15 @@ TEST(GpuDecode, PlannerAndErrors) {
   int n = 0;
   for (DType dt : {DType::kBF16, DType::kFP16}) {
     ASSERT_TRUE(DescribeTiles(g.dev, dt, tiles, 4, &n).ok());
-    ASSERT_EQ(n, 2);
+    ASSERT_EQ(n, 3);
     for (int i = 0; i < n; ++i) {
       std::printf("%s tile %d rows: %d regs, %d B smem, %d CTAs/SM here, %d on A100\n", DTypeName(dt),
                   tiles[i].tile_rows, tiles[i].regs_per_thread, tiles[i].smem_bytes, tiles[i].ctas_per_sm,
                   tiles[i].ctas_per_sm_a100);
-      EXPECT_GE(tiles[i].ctas_per_sm, 2);
-      EXPECT_GE(tiles[i].ctas_per_sm_a100, 2);
+      // The 64-row compute tile runs one CTA of 8 warps per SM; the others two of 4.
+      const int want = tiles[i].tile_rows == 64 ? 1 : 2;
+      EXPECT_GE(tiles[i].ctas_per_sm, want);
+      EXPECT_GE(tiles[i].ctas_per_sm_a100, want);
     }
   }
 }
