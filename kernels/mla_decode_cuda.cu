@@ -29,7 +29,6 @@ int TileIndex(int tile_rows) { return tile_rows == 16 ? 0 : tile_rows == 32 ? 1 
 // memory-bound 16-row tile up to 16, the 64-row compute tile from 64 (one KV stage
 // serves 64 rows), the 32-row tile between.
 int TileRowsFor(int rows) { return rows <= 16 ? 16 : rows < 64 ? 32 : 64; }
-int ChooseTileRows(const MlaDecodeParams& p) { return TileRowsFor((p.h_q / p.h_kv) * p.s_q); }
 
 template <int kRows>
 struct TileKernels {
@@ -120,6 +119,43 @@ class DeviceScope {
   bool switched_ = false;
   cudaError_t err_ = cudaSuccess;
 };
+
+// Whether the 64-row tile has machine code for a device: it is built for SM90 only
+// (kernels/BUILD.bazel says why). Cached per device; asking costs one driver call.
+constexpr int kMaxCachedDevicesForTile = 64;
+std::atomic<int> g_has64[kMaxCachedDevicesForTile];  // 0 unknown, 1 yes, 2 no
+
+const void* KernelOf(DType dtype, int tile_rows);
+
+bool Has64(int device) {
+  const bool cacheable = device >= 0 && device < kMaxCachedDevicesForTile;
+  if (cacheable) {
+    const int v = g_has64[device].load(std::memory_order_relaxed);
+    if (v != 0) return v == 1;
+  }
+  bool ok = false;
+  {
+    DeviceScope scope(device);
+    cudaFuncAttributes attr;
+    ok = scope.error() == cudaSuccess && cudaFuncGetAttributes(&attr, KernelOf(DType::kBF16, 64)) == cudaSuccess;
+    cudaGetLastError();  // a missing image is not sticky; leave no error behind
+  }
+  if (cacheable) g_has64[device].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
+// The planner's tile. The 64-row tile needs its machine code, and enough CTAs to fill
+// the GPU: it runs one CTA of 8 warps per SM, so with fewer than an eighth of the SMs'
+// worth of (sequence, KV head, 64-row) streams two 4-warp CTAs per stream do better
+// (measured: (1,64,4096) 152 GB/s against 166 on the H200, docs/kernel-tuning.md).
+int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p) {
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+  const int tile = TileRowsFor(rows);
+  if (tile != 64) return tile;
+  const int64_t streams = int64_t(p.batch) * p.h_kv * ((rows + 63) / 64);
+  if (streams * 8 < dev.sm_count || !Has64(dev.device)) return 32;
+  return 64;
+}
 
 // Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy
 // calculator; cached so that planning costs no driver call after the first.
@@ -270,7 +306,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (dev.sm_count < 1) return Status::Invalid("dev: expected a DeviceInfo filled by QueryDevice");
   DecodePlan r;
   if (tile_rows != 0 && TileIndex(tile_rows) < 0) return Status::Invalid("tile_rows: expected 0, 16, 32 or 64");
-  r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(p);
+  r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(dev, p);
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
   r.threads = ThreadsOf(r.tile_rows);
@@ -301,16 +337,22 @@ size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, in
   // so batch * num_splits <= batch + slots / (h_kv * row_tiles) over every batch size.
   // The slot count uses the largest occupancy any tile can have (registers cap it at 16
   // CTAs of 128 threads on SM80+).
+  // Every tile the planner may pick for these rows (64 or, with few streams or no SM90
+  // image, 32).
   const int rows = (h_q / h_kv) * s_q;
-  const int tile = TileRowsFor(rows);
-  const int row_tiles = (rows + tile - 1) / tile;
-  int ctas = 0;
-  if (!Occupancy(dev.device, DType::kBF16, tile, &ctas).ok()) ctas = 16;
-  int ctas16 = 0;
-  if (Occupancy(dev.device, DType::kFP16, tile, &ctas16).ok()) ctas = std::max(ctas, ctas16);
-  const int64_t slots = int64_t(ctas) * std::max(1, dev.sm_count);
-  const int64_t best = int64_t(max_batch) + slots / (int64_t(h_kv) * row_tiles);
-  return kCounterBytes + size_t(best) * h_q * s_q * (kHeadDimV + 1) * sizeof(float);
+  size_t most = 0;
+  for (int tile : {TileRowsFor(rows), TileRowsFor(rows) == 64 ? 32 : 0}) {
+    if (tile == 0) continue;
+    const int row_tiles = (rows + tile - 1) / tile;
+    int ctas = 0;
+    if (!Occupancy(dev.device, DType::kBF16, tile, &ctas).ok()) ctas = 16;
+    int ctas16 = 0;
+    if (Occupancy(dev.device, DType::kFP16, tile, &ctas16).ok()) ctas = std::max(ctas, ctas16);
+    const int64_t slots = int64_t(ctas) * std::max(1, dev.sm_count);
+    const int64_t best = int64_t(max_batch) + slots / (int64_t(h_kv) * row_tiles);
+    most = std::max(most, kCounterBytes + size_t(best) * h_q * s_q * (kHeadDimV + 1) * sizeof(float));
+  }
+  return most;
 }
 
 Status InitDecodeWorkspace(void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -381,6 +423,7 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
   *num_configs = 0;
   for (int tile : sm80::kTileRowOptions) {
     if (*num_configs >= max_configs) break;
+    if (tile == 64 && !Has64(dev.device)) continue;  // no machine code for this device
     const void* fn = KernelOf(dtype, tile);
     if (!fn) return {Code::kUnsupported, "dtype: no kernel"};
     cudaFuncAttributes attr;

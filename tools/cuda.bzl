@@ -34,7 +34,8 @@ def cuda_only():
         "//conditions:default": [],
     })
 
-def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility = None, testonly = False, nvcc_flags = ""):
+def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility = None, testonly = False, nvcc_flags = "",
+                 arch_flags = NVCC_ARCH_FLAGS):
     """A cc_library whose srcs are .cu files compiled by nvcc.
 
     Args:
@@ -47,6 +48,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
       visibility: as usual.
       testonly: as usual.
       nvcc_flags: extra nvcc flags.
+      arch_flags: the -gencode list (default: sm_80 and sm_90 machine code, compute_80 PTX).
     """
     objs = []
     reports = []
@@ -62,7 +64,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
                    "|| { cat $(location %s) >&2; exit 1; }") % (
                 NVCC,
                 NVCC_FLAGS,
-                NVCC_ARCH_FLAGS,
+                arch_flags,
                 nvcc_flags,
                 src,
                 obj,
