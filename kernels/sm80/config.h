@@ -36,7 +36,6 @@ struct TileConfig<16> {
   static constexpr int kGroups = 1;       // groups of 4 warps, each owning kRows / kGroups rows
   static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
-  static constexpr bool kPingPong = false;   // groups half a tile apart (kGroups 2)
   static constexpr int kMinCtasPerSm = 2;
 };
 
@@ -53,29 +52,26 @@ struct TileConfig<32> {
   static constexpr int kGroups = 1;
   static constexpr int kQRegSteps = 0;
   static constexpr int kExchangePasses = 1;
-  static constexpr bool kPingPong = false;
   static constexpr int kMinCtasPerSm = 2;
 };
 
 // 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
 // CTA of 256 threads, each group today's 32-row decomposition (dims split for QK^T,
 // columns for PV), sharing 32-key KV stages: every KV byte staged once serves 64 rows,
-// and Q is re-read every 32 keys instead of 16. The groups ping-pong: group 1 runs half
-// a tile behind, so its mma-bound PV overlaps group 0's shared-memory-bound QK^T
-// (docs/kernel-tuning.md, round 7). One CTA per SM (8 warps, as 2 x 4 before). Shared
-// memory: Q 72 KB + 3 KV stages x 36 KB (the lagging group still reads the previous
-// one) + partial scores 32 KB = 212 KB: SM90 only (its machine code is built for sm_90
-// alone, kernels/BUILD.bazel), A100-class GPUs keep the 32-row tile.
+// and Q is re-read every 32 keys instead of 16 (docs/kernel-tuning.md, round 7).
+// One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
+// partial scores 16 KB = 160 KB, within A100's 163 KB per CTA, because the partial
+// scores go through in two passes of 16 keys. (Holding 2 of each warp's 9 Q k-steps in
+// registers instead fits too, but spills: the O accumulator alone is 128 registers.)
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
   static constexpr int kKeys = 32;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 2;
   static constexpr bool kQInRegisters = false;
   static constexpr int kGroups = 2;
   static constexpr int kQRegSteps = 0;
-  static constexpr int kExchangePasses = 1;
-  static constexpr bool kPingPong = true;
+  static constexpr int kExchangePasses = 2;
   static constexpr int kMinCtasPerSm = 1;
 };
 

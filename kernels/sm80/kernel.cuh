@@ -281,18 +281,13 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Page of KV tile t (a tile never straddles pages).
   auto page_of = [&](int t) { return table[(key_begin + t * kN) / kPageSize]; };
   // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads.
-  // In a ping-pong tile only group 0 copies: the lagging group holds the previous tile's
-  // P in registers at the loop's top, where the copies' addresses would spill it.
-  constexpr int kLoaders = Cfg::kPingPong ? kThreads : kCta;
-  static_assert((kN * (kHeadDimQK / 8)) % kLoaders == 0, "KV tile copy must divide evenly");
   auto load_tile = [&](int t, int s, int page) {
-    if (Cfg::kPingPong && tid >= kLoaders) return;
     const int key0 = key_begin + t * kN;
     const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
     const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
 #pragma unroll
-    for (int i = 0; i < kN * (kHeadDimQK / 8) / kLoaders; ++i) {
-      const int id = tid + i * kLoaders;
+    for (int i = 0; i < kN * (kHeadDimQK / 8) / kCta; ++i) {
+      const int id = tid + i * kCta;
       const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
       const bool valid = key0 + key < cta_end;
       const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
@@ -327,19 +322,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
 
   // Pipeline prologue. Q's copies (shared-memory Q) join the first group; Q in registers
   // is loaded after the first KV copies are in flight.
-  // Tiles in flight ahead of the one computed: all stages but one, less the stage the
-  // lagging group of a ping-pong tile still reads.
-  constexpr bool kPingPong = Cfg::kPingPong;
-  constexpr int kAhead = kStages - 1 - (kPingPong ? 1 : 0);
-  static_assert(kAhead >= 1, "at least one tile in flight");
 #pragma unroll
-  for (int s = 0; s < kAhead; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) load_tile(s, s, page_of(s));
     CpAsyncCommit();
   }
   // Page of the next tile to copy, read one iteration ahead so the block-table load is
   // off the copy-issue path.
-  int next_page = kAhead < num_tiles ? page_of(kAhead) : 0;
+  int next_page = kStages - 1 < num_tiles ? page_of(kStages - 1) : 0;
 
   // Q in registers: this warp's first kRegSteps k-steps in A-fragment order.
   if constexpr (kRegSteps > 0) {
@@ -387,77 +377,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     }
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
-  // O[:, my 128 columns] += P V over one KV tile, P packed as A fragments (ph, plo) by
-  // pack_p from the softmax's fp32 accumulator layout, which is the A-fragment layout.
-  // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
-  // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a low
-  // bf16 part and multiplied twice (fp16's 11 bits need no split).
-  constexpr bool kSplitP = kDType == DType::kBF16;
-  uint32_t ph[kNT / 2][kMT][4], plo[kSplitP ? kNT / 2 : 1][kMT][4];  // P as A fragments
-  // P (s, fp32 accumulator layout, which is the A-fragment layout) packed into ph/plo.
-  auto pack_p = [&](const float (&sc)[kMT][kNT][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk)
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const float* x0 = sc[mt][2 * kk];
-        const float* x1 = sc[mt][2 * kk + 1];
-        ph[kk][mt][0] = Pack2<kDType>(x0[0], x0[1]);
-        ph[kk][mt][1] = Pack2<kDType>(x0[2], x0[3]);
-        ph[kk][mt][2] = Pack2<kDType>(x1[0], x1[1]);
-        ph[kk][mt][3] = Pack2<kDType>(x1[2], x1[3]);
-        if constexpr (kSplitP) {
-          plo[kk][mt][0] = PackLowBf16(x0[0], x0[1], ph[kk][mt][0]);
-          plo[kk][mt][1] = PackLowBf16(x0[2], x0[3], ph[kk][mt][1]);
-          plo[kk][mt][2] = PackLowBf16(x1[0], x1[1], ph[kk][mt][2]);
-          plo[kk][mt][3] = PackLowBf16(x1[2], x1[3], ph[kk][mt][3]);
-        }
-      }
-  };
-  auto pv = [&](uint32_t kv_base) {
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-      for (int np = 0; np < kVT / 2; ++np) {
-        uint32_t vb[4];
-        Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Mma<kDType>(acc[mt][2 * np], ph[kk][mt], vb[0], vb[1]);
-          Mma<kDType>(acc[mt][2 * np + 1], ph[kk][mt], vb[2], vb[3]);
-          if constexpr (kSplitP) {
-            Mma<kDType>(acc[mt][2 * np], plo[kk][mt], vb[0], vb[1]);
-            Mma<kDType>(acc[mt][2 * np + 1], plo[kk][mt], vb[2], vb[3]);
-          }
-        }
-      }
-    }
-  };
-  // Barrier of the partial-score exchange: the whole CTA, or in a ping-pong tile only
-  // the group (named barrier 1 + group, 128 threads), since the groups run half a tile
-  // apart.
-  auto group_sync = [&] {
-    if constexpr (kPingPong) {
-      asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(kThreads) : "memory");
-    } else {
-      __syncthreads();
-    }
-  };
-  // Ping-pong (64-row tile on SM90): group 1 runs its PV of tile t-1 while group 0 runs
-  // the QK^T of tile t, so one group's shared-memory-bound phase overlaps the other's
-  // mma-bound phase; group 1 carries tile t-1's P (in s) across the loop's barrier.
-  const bool lag = kPingPong && grp == 1;
-
   for (int t = 0; t < num_tiles; ++t) {
-    CpAsyncWait<kAhead - 1>();
-    __syncthreads();  // tile t visible to all; every warp is done with the stage reloaded next
-    if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
+    if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages, next_page);
     CpAsyncCommit();
-    if (t + kAhead + 1 < num_tiles) next_page = page_of(t + kAhead + 1);
+    if (t + kStages < num_tiles) next_page = page_of(t + kStages);
     const int stage = t % kStages;
     const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
-    if (lag && t > 0) pv(SmemAddr(&sm.kv[(t - 1) % kStages][0][0]));
 
     // S partial = Q[:, my dims] K[:, my dims]^T.
     float s[kMT][kNT][4];
@@ -506,7 +433,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     constexpr int kPasses = Cfg::kExchangePasses, kPassNT = kNT / kPasses;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      if (pass > 0) group_sync();  // every warp has read the previous pass
+      if (pass > 0) __syncthreads();  // every warp has read the previous pass
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -515,7 +442,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
               make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
         }
-      group_sync();
+      __syncthreads();
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -591,10 +518,46 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
     }
 
-    pack_p(s);
-    if (!lag) pv(kv_base);
+    // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
+    // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
+    // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a
+    // low bf16 part and multiplied twice (fp16's 11 bits need no split).
+    constexpr bool kSplitP = kDType == DType::kBF16;
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const float* x0 = s[mt][2 * kk];
+        const float* x1 = s[mt][2 * kk + 1];
+        pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
+        pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
+        pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
+        pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
+        if constexpr (kSplitP) {
+          pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
+          pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
+          pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
+          pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
+        }
+      }
+      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int np = 0; np < kVT / 2; ++np) {
+        uint32_t vb[4];
+        Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
+          Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+          if constexpr (kSplitP) {
+            Mma<kDType>(acc[mt][2 * np], pl[mt], vb[0], vb[1]);
+            Mma<kDType>(acc[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+          }
+        }
+      }
+    }
   }
-  if (lag && num_tiles > 0) pv(SmemAddr(&sm.kv[(num_tiles - 1) % kStages][0][0]));
   CpAsyncWait<0>();
 
   // Epilogue: normalise and write out/lse directly, or the partition's partials.
