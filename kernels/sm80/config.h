@@ -60,9 +60,11 @@ struct TileConfig<32> {
 // columns for PV), sharing 32-key KV stages: every KV byte staged once serves 64 rows,
 // and Q is re-read every 32 keys instead of 16 (docs/kernel-tuning.md, round 7).
 // One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
-// partial scores 16 KB = 160 KB, within A100's 163 KB per CTA, because the partial
-// scores go through in two passes of 16 keys. (Holding 2 of each warp's 9 Q k-steps in
-// registers instead fits too, but spills: the O accumulator alone is 128 registers.)
+// partial scores 16 KB = 160 KB: the scores go through in two passes of 16 keys, which
+// is also what keeps ptxas within 255 registers without spilling on sm_90 (one pass,
+// or three stages, spill). Built for SM90 only: for sm_80 ptxas spills one register
+// (kernels/BUILD.bazel), so A100-class GPUs keep the 32-row tile (docs/kernel-tuning.md,
+// round 7).
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
