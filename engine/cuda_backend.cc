@@ -32,6 +32,11 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 
 size_t AlignUp(size_t x) { return (x + 255) / 256 * 256; }
 
+// Where the device reaches a tensor of a step in registered host memory.
+uint64_t DeviceAddress(const DecodeStep& step, const void* p) {
+  return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
+}
+
 class CudaBackend final : public AttentionBackend {
  public:
   ~CudaBackend() override {
@@ -182,9 +187,7 @@ class CudaBackend final : public AttentionBackend {
       const DecodeStep& step = *e.step;
       if (step.device_base != 0) {
         // In registered memory: the copy lists move it (in: q, rows; out: out, lse).
-        auto dev = [&](const void* p) {
-          return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
-        };
+        auto dev = [&](const void* p) { return DeviceAddress(step, p); };
         DeviceCopy* in = copies + 2 * s.copies_in;
         in[0] = {dev(step.q.data()), dev_in + token * q_token, step.q.size()};
         in[1] = {dev(step.kv.data()), dev_in + s.off_kv + s.rows * row_bytes_, step.kv.size()};
@@ -210,9 +213,7 @@ class CudaBackend final : public AttentionBackend {
     for (int k : s.order) {
       const DecodeStep& step = *batch.entries[k].step;
       if (step.device_base != 0) {
-        auto dev = [&](const void* p) {
-          return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
-        };
+        auto dev = [&](const void* p) { return DeviceAddress(step, p); };
         const size_t out_bytes = size_t(step.s_q) * out_token, lse_bytes = size_t(step.s_q) * h_q * sizeof(float);
         DeviceCopy* c = out_copies + 2 * s.copies_out;
         c[0] = {dev_out + out_lse_bytes_ + token * out_token, dev(step.out), out_bytes};
