@@ -744,9 +744,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->kv = absl::string_view(region_ + f.kv_offset, static_cast<size_t>(s_q * sh.kv_row_bytes));
       slot->out = region_ + f.out_offset;
       slot->lse = reinterpret_cast<float*>(region_ + f.lse_offset);
-      slot->host_base = region_;
+      slot->host_base = region_device_ != 0 ? region_ : nullptr;
       slot->device_base = region_device_;
-      if (region_device_ == 0) slot->host_base = nullptr;
     } else {
       slot->host_base = nullptr;
       slot->device_base = 0;
