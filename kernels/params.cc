@@ -1,6 +1,8 @@
 // Shape checks and stride helpers for MlaDecodeParams.
 #include "kernels/params.h"
 
+#include "kernels/kv_fp8.h"
+
 namespace latentd::kernels {
 
 const char* DTypeName(DType dtype) {
@@ -13,12 +15,22 @@ const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
+const char* KvDTypeName(KvDType kv_dtype, DType dtype) {
+  switch (kv_dtype) {
+    case KvDType::kModel:
+      return DTypeName(dtype);
+    case KvDType::kFp8E4M3:
+      return "fp8_e4m3";
+  }
+  return "unknown";
+}
+
 void SetContiguousStrides(MlaDecodeParams* p) {
   p->q_head_stride = kHeadDimQK;
   p->q_seq_stride = int64_t{p->h_q} * kHeadDimQK;
   p->q_batch_stride = int64_t{p->s_q} * p->q_seq_stride;
-  p->kv_head_stride = kHeadDimQK;
-  p->kv_row_stride = int64_t{p->h_kv} * kHeadDimQK;
+  p->kv_head_stride = p->kv_dtype == KvDType::kFp8E4M3 ? kFp8RowBytes : kHeadDimQK;
+  p->kv_row_stride = int64_t{p->h_kv} * p->kv_head_stride;
   p->kv_page_stride = int64_t{kPageSize} * p->kv_row_stride;
   p->block_table_batch_stride = p->max_pages_per_seq;
   p->out_head_stride = kHeadDimV;
@@ -31,6 +43,8 @@ void SetContiguousStrides(MlaDecodeParams* p) {
 Status ValidateParams(const MlaDecodeParams& p) {
   auto bad = [](const std::string& m) { return Status::Invalid(m); };
   if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16) return bad("dtype: expected bf16 or fp16");
+  if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
+    return bad("kv_dtype: expected the model dtype or fp8_e4m3");
   if (p.batch < 0) return bad("batch: expected >= 0, got " + std::to_string(p.batch));
   if (p.s_q < 1) return bad("s_q: expected >= 1, got " + std::to_string(p.s_q));
   if (p.h_kv < 1) return bad("h_kv: expected >= 1, got " + std::to_string(p.h_kv));
@@ -54,8 +68,14 @@ Status ValidateParams(const MlaDecodeParams& p) {
   auto aligned = [](int64_t stride) { return stride % 8 == 0; };
   if (!aligned(p.q_batch_stride) || !aligned(p.q_seq_stride) || !aligned(p.q_head_stride))
     return bad("q strides: expected multiples of 8 elements");
-  if (!aligned(p.kv_page_stride) || !aligned(p.kv_row_stride) || !aligned(p.kv_head_stride))
+  if (p.kv_dtype == KvDType::kFp8E4M3) {
+    auto aligned16 = [](int64_t stride) { return stride % 16 == 0; };
+    if (!aligned16(p.kv_page_stride) || !aligned16(p.kv_row_stride) || !aligned16(p.kv_head_stride))
+      return bad("kv strides: expected multiples of 16 bytes (fp8_e4m3 cache)");
+    if (p.kv_head_stride < kFp8RowBytes) return bad("kv_head_stride: expected >= 656 bytes (fp8_e4m3 cache)");
+  } else if (!aligned(p.kv_page_stride) || !aligned(p.kv_row_stride) || !aligned(p.kv_head_stride)) {
     return bad("kv strides: expected multiples of 8 elements");
+  }
   if (!aligned(p.out_batch_stride) || !aligned(p.out_seq_stride) || !aligned(p.out_head_stride))
     return bad("out strides: expected multiples of 8 elements");
   return Status::Ok();

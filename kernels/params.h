@@ -18,6 +18,13 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 const char* DTypeName(DType dtype);
 inline int DTypeBytes(DType) { return 2; }
 
+// How the KV cache stores rows: in the model dtype, or in the FP8 format of
+// kernels/kv_fp8.h (e4m3 latent values with per-128 scales, rope in the model dtype).
+enum class KvDType : int { kModel = 0, kFp8E4M3 = 1 };
+
+// "bf16" / "fp16" for kModel (the model dtype's name), "fp8_e4m3".
+const char* KvDTypeName(KvDType kv_dtype, DType dtype);
+
 enum class Code : int {
   kOk = 0,
   kInvalidArgument,
@@ -36,10 +43,13 @@ struct Status {
   static Status Invalid(std::string msg) { return {Code::kInvalidArgument, std::move(msg)}; }
 };
 
-// One decode call over a batch. All strides are in elements, not bytes. The pointers
-// are device pointers for the CUDA path and host pointers for the CPU path.
+// One decode call over a batch. All strides are in elements, not bytes: the kv strides
+// in the cache's elements (16-bit values for KvDType::kModel, bytes for kFp8E4M3, whose
+// rows are kFp8RowBytes long). The pointers are device pointers for the CUDA path and
+// host pointers for the CPU path.
 struct MlaDecodeParams {
   DType dtype = DType::kBF16;
+  KvDType kv_dtype = KvDType::kModel;
   int batch = 0;              // b
   int s_q = 1;                // query tokens per sequence
   int h_q = 0;                // query heads
@@ -52,7 +62,7 @@ struct MlaDecodeParams {
   const void* q = nullptr;  // [b, s_q, h_q, 576]
   int64_t q_batch_stride = 0, q_seq_stride = 0, q_head_stride = 0;
 
-  const void* kv = nullptr;  // [num_pages, 64, h_kv, 576]
+  const void* kv = nullptr;  // [num_pages, 64, h_kv, 576] (fp8: [num_pages, 64, h_kv, 656 bytes])
   int64_t kv_page_stride = 0, kv_row_stride = 0, kv_head_stride = 0;
 
   const int32_t* block_table = nullptr;  // [b, max_pages_per_seq] page ids

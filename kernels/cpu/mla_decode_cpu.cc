@@ -4,6 +4,8 @@
 // exactly like the GPU's split-K.
 #include "kernels/cpu/mla_decode_cpu.h"
 
+#include "kernels/kv_fp8.h"
+
 #include <pthread.h>
 
 #include <algorithm>
@@ -226,15 +228,27 @@ void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scra
     max_limit = std::max(max_limit, limit[r]);
   }
 
-  const auto* kv = static_cast<const uint16_t*>(p.kv);
   const int32_t* table = p.block_table + item.batch * p.block_table_batch_stride;
   const int end = std::min(item.key_end, max_limit);
+  const bool fp8 = p.kv_dtype == KvDType::kFp8E4M3;
+  if (fp8) s.kv16.resize(size_t(kPageSize) * kHeadDimQK);
   for (int k0 = item.key_begin; k0 < end;) {
     const int page_idx = k0 / kPageSize;
     const int k1 = std::min(end, (page_idx + 1) * kPageSize);
     const int n = k1 - k0;
-    const uint16_t* page = kv + int64_t{table[page_idx]} * p.kv_page_stride + item.kv_head * p.kv_head_stride;
-    ToFloatRows(p.dtype, page + int64_t(k0 % kPageSize) * p.kv_row_stride, p.kv_row_stride, n, s.k.data());
+    if (fp8) {
+      // Dequantized to the 16-bit values the GPU kernel computes with, then as below.
+      const auto* page = static_cast<const uint8_t*>(p.kv) + int64_t{table[page_idx]} * p.kv_page_stride +
+                         item.kv_head * p.kv_head_stride;
+      for (int j = 0; j < n; ++j)
+        DequantizeKvRowFp8(p.dtype, page + int64_t(k0 % kPageSize + j) * p.kv_row_stride,
+                           s.kv16.data() + size_t(j) * kHeadDimQK);
+      ToFloatRows(p.dtype, s.kv16.data(), kHeadDimQK, n, s.k.data());
+    } else {
+      const uint16_t* page = static_cast<const uint16_t*>(p.kv) + int64_t{table[page_idx]} * p.kv_page_stride +
+                             item.kv_head * p.kv_head_stride;
+      ToFloatRows(p.dtype, page + int64_t(k0 % kPageSize) * p.kv_row_stride, p.kv_row_stride, n, s.k.data());
+    }
     for (int r = 0; r < rows; ++r) visible[r] = limit[r] - k0;
     AttendBlock(s.q.data(), s.k.data(), n, rows, visible, s.scores.data(), s.m.data(), s.l.data(), s.acc.data());
     k0 = k1;

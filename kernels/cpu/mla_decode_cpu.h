@@ -49,6 +49,7 @@ class CpuMlaDecoder {
   struct Scratch {
     std::vector<float> q;       // [rows, 576], pre-scaled
     std::vector<float> k;       // [64, 576]
+    std::vector<uint16_t> kv16;  // [64, 576] dequantized rows of an fp8 cache
     std::vector<float> scores;  // [rows, 64]
     std::vector<float> acc;     // [rows, 512]
     std::vector<float> m, l;    // [rows]

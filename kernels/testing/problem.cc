@@ -8,12 +8,14 @@
 #include <sstream>
 
 #include "kernels/cpu/half.h"
+#include "kernels/kv_fp8.h"
 
 namespace latentd::kernels::testing {
 
 MlaDecodeParams Problem::Params() {
   MlaDecodeParams p;
   p.dtype = shape.dtype;
+  p.kv_dtype = shape.kv_dtype;
   p.batch = shape.batch;
   p.s_q = shape.s_q;
   p.h_q = shape.h_q;
@@ -24,7 +26,7 @@ MlaDecodeParams Problem::Params() {
   p.causal = shape.causal;
   SetContiguousStrides(&p);
   p.q = q.data();
-  p.kv = kv.data();
+  p.kv = shape.kv_dtype == KvDType::kFp8E4M3 ? static_cast<const void*>(kv8.data()) : kv.data();
   p.block_table = block_table.data();
   p.seqlens = seqlens.data();
   p.out = out.data();
@@ -78,8 +80,21 @@ Problem MakeProblem(const ProblemShape& shape, std::mt19937_64& rng) {
     for (int t = 0; t < len; ++t) {
       const int page = pr.block_table[size_t(i) * pr.max_pages_per_seq + t / kPageSize];
       uint16_t* row = pr.kv.data() + size_t(page) * page_elems + size_t(t % kPageSize) * shape.h_kv * kHeadDimQK;
-      for (int e = 0; e < shape.h_kv * kHeadDimQK; ++e) row[e] = FloatToHalf(dt, normal(rng));
+      for (int e = 0; e < shape.h_kv * kHeadDimQK; ++e)
+        row[e] = FloatToHalf(dt, shape.heavy_tailed ? normal(rng) * std::exp(normal(rng)) : normal(rng));
     }
+  }
+  if (shape.kv_dtype == KvDType::kFp8E4M3) {
+    const size_t rows = size_t(pr.num_pages) * kPageSize;
+    pr.kv8.assign(rows * shape.h_kv * kFp8RowBytes, 0xff);
+    for (int i = 0; i < b; ++i)
+      for (int t = 0; t < pr.seqlens[i]; ++t) {
+        const size_t row = size_t(pr.block_table[size_t(i) * pr.max_pages_per_seq + t / kPageSize]) * kPageSize +
+                           t % kPageSize;
+        for (int h = 0; h < shape.h_kv; ++h)
+          QuantizeKvRowFp8(dt, pr.kv.data() + (row * shape.h_kv + h) * kHeadDimQK,
+                           pr.kv8.data() + (row * shape.h_kv + h) * kFp8RowBytes);
+      }
   }
   pr.out.resize(size_t(b) * shape.s_q * shape.h_q * kHeadDimV);
   pr.lse.resize(size_t(b) * shape.h_q * shape.s_q);
@@ -87,12 +102,13 @@ Problem MakeProblem(const ProblemShape& shape, std::mt19937_64& rng) {
   return pr;
 }
 
-void ReferenceDecode(const Problem& pr, std::vector<double>* out, std::vector<double>* lse) {
+void ReferenceDecode(const Problem& pr, std::vector<double>* out, std::vector<double>* lse, bool unquantized) {
   const auto& s = pr.shape;
+  const bool fp8 = s.kv_dtype == KvDType::kFp8E4M3 && !unquantized;
+  std::vector<uint16_t> deq(kHeadDimQK);
   const int group = s.h_q / s.h_kv;
   out->assign(size_t(s.batch) * s.s_q * s.h_q * kHeadDimV, 0.0);
   lse->assign(size_t(s.batch) * s.h_q * s.s_q, -std::numeric_limits<double>::infinity());
-  const size_t page_elems = size_t(kPageSize) * s.h_kv * kHeadDimQK;
   std::vector<double> scores;
   for (int b = 0; b < s.batch; ++b) {
     const int len = pr.seqlens[b];
@@ -101,9 +117,12 @@ void ReferenceDecode(const Problem& pr, std::vector<double>* out, std::vector<do
       for (int h = 0; h < s.h_q; ++h) {
         const int kvh = h / group;
         const uint16_t* q = pr.q.data() + ((size_t(b) * s.s_q + i) * s.h_q + h) * kHeadDimQK;
-        auto krow = [&](int t) {
+        auto krow = [&](int t) -> const uint16_t* {
           const int page = pr.block_table[size_t(b) * pr.max_pages_per_seq + t / kPageSize];
-          return pr.kv.data() + size_t(page) * page_elems + (size_t(t % kPageSize) * s.h_kv + kvh) * kHeadDimQK;
+          const size_t row = (size_t(page) * kPageSize + t % kPageSize) * s.h_kv + kvh;
+          if (!fp8) return pr.kv.data() + row * kHeadDimQK;
+          DequantizeKvRowFp8(s.dtype, pr.kv8.data() + row * kFp8RowBytes, deq.data());
+          return deq.data();
         };
         scores.assign(visible, 0.0);
         double mx = -std::numeric_limits<double>::infinity();
@@ -187,7 +206,8 @@ Comparison Compare(const Problem& pr, const std::vector<uint16_t>& out, const st
 
 std::string Describe(const ProblemShape& s) {
   std::ostringstream m;
-  m << DTypeName(s.dtype) << " b=" << s.batch << " s_q=" << s.s_q << " h_q=" << s.h_q << " h_kv=" << s.h_kv
+  m << DTypeName(s.dtype) << (s.kv_dtype == KvDType::kFp8E4M3 ? " kv fp8_e4m3" : "")
+    << (s.heavy_tailed ? " heavy-tailed" : "") << " b=" << s.batch << " s_q=" << s.s_q << " h_q=" << s.h_q << " h_kv=" << s.h_kv
     << " causal=" << s.causal << " seqlens=[";
   for (size_t i = 0; i < s.seqlens.size() && i < 8; ++i) m << (i ? "," : "") << s.seqlens[i];
   if (s.seqlens.size() > 8) m << ",...";

@@ -21,13 +21,16 @@ struct ProblemShape {
   bool causal = false;
   std::vector<int> seqlens;  // [batch]
   int extra_pages = 3;       // unowned pages (NaN) beyond what the sequences need
+  KvDType kv_dtype = KvDType::kModel;  // fp8: the cache is kv quantized (kernels/kv_fp8.h)
+  bool heavy_tailed = false;  // KV values normal x exp(normal): a few large outliers per block
 };
 
 // Host-side tensors of one problem, in the contiguous layouts of params.h.
 struct Problem {
   ProblemShape shape;
   std::vector<uint16_t> q;            // [b, s_q, h_q, 576]
-  std::vector<uint16_t> kv;           // [num_pages, 64, h_kv, 576]
+  std::vector<uint16_t> kv;           // [num_pages, 64, h_kv, 576], as a client sent it
+  std::vector<uint8_t> kv8;           // fp8 cache: [num_pages, 64, h_kv, 656 bytes], unowned rows 0xff (NaN)
   std::vector<int32_t> block_table;   // [b, max_pages]
   std::vector<int32_t> seqlens;       // [b]
   std::vector<uint16_t> out;          // [b, s_q, h_q, 512], poisoned with NaN
@@ -44,8 +47,11 @@ struct Problem {
 
 Problem MakeProblem(const ProblemShape& shape, std::mt19937_64& rng);
 
-// Naive double-precision reference: out [b, s_q, h_q, 512], lse [b, h_q, s_q].
-void ReferenceDecode(const Problem& p, std::vector<double>* out, std::vector<double>* lse);
+// Naive double-precision reference: out [b, s_q, h_q, 512], lse [b, h_q, s_q]. With an
+// fp8 cache it reads the cache's bytes dequantized exactly as the kernels do, unless
+// `unquantized`, which uses the rows as sent (to measure the quantization error itself).
+void ReferenceDecode(const Problem& p, std::vector<double>* out, std::vector<double>* lse,
+                     bool unquantized = false);
 
 struct Comparison {
   bool ok = true;
