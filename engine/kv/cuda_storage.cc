@@ -1,12 +1,15 @@
 // KvStorage over device memory through the CUDA runtime API (compiled by the host
-// compiler; no kernels needed: rows are written with copies).
+// compiler; no kernels needed: rows are written with copies, fp8 rows quantized on the
+// host first by the same function the host storage uses).
 #include "engine/kv/cuda_storage.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace latentd::engine::kv {
 namespace {
@@ -29,7 +32,12 @@ absl::Status CudaError(cudaError_t err, absl::string_view what) {
 class CudaKvStorage final : public KvStorage {
  public:
   CudaKvStorage(const KvCacheConfig& config, int device, cudaStream_t stream, char* data)
-      : config_(config), device_(device), stream_(stream), data_(data) {}
+      : config_(config), device_(device), stream_(stream), data_(data) {
+    // One page of quantized rows: the most one WriteRows carries.
+    if (config_.kv_dtype == kernels::KvDType::kFp8E4M3) {
+      scratch_.resize(static_cast<size_t>(config_.layer_page_bytes()));
+    }
+  }
   ~CudaKvStorage() override {
     cudaSetDevice(device_);
     cudaFree(data_);
@@ -42,6 +50,17 @@ class CudaKvStorage final : public KvStorage {
     if (absl::Status s = CheckRowRange(config_, layer, page, row, n, src); !s.ok()) return s;
     if (n == 0) return absl::OkStatus();
     LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    if (config_.kv_dtype == kernels::KvDType::kFp8E4M3) {
+      // Quantized into pageable scratch: cudaMemcpyAsync has staged a pageable source
+      // when it returns, so the scratch is free again for the next call. The lock is
+      // uncontended in the engine (the manager writes under its own lock).
+      absl::MutexLock lock(&scratch_mu_);
+      QuantizeRowsFp8(config_, n, src, scratch_.data());
+      LATENTD_KV_CUDA(cudaMemcpyAsync(RowPtr(layer, page, row), scratch_.data(),
+                                      n * config_.row_bytes(), cudaMemcpyHostToDevice, stream_),
+                      "write rows");
+      return absl::OkStatus();
+    }
     LATENTD_KV_CUDA(cudaMemcpyAsync(RowPtr(layer, page, row), src, n * config_.row_bytes(),
                                     cudaMemcpyHostToDevice, stream_),
                     "write rows");
@@ -87,6 +106,8 @@ class CudaKvStorage final : public KvStorage {
   const int device_;
   const cudaStream_t stream_;
   char* const data_;
+  absl::Mutex scratch_mu_;
+  std::vector<uint8_t> scratch_ ABSL_GUARDED_BY(scratch_mu_);
 };
 
 absl::Status UseDevice(int device) {
@@ -141,11 +162,13 @@ absl::StatusOr<int64_t> CudaFreeMemoryBytes(int device) {
 absl::StatusOr<KvCacheConfig> KvCacheConfigFromFreeGpuMemory(int num_layers,
                                                              int num_heads_kv,
                                                              double fraction, int device,
-                                                             int bytes_per_value) {
+                                                             int bytes_per_value,
+                                                             kernels::KvDType kv_dtype,
+                                                             kernels::DType dtype) {
   absl::StatusOr<int64_t> free_bytes = CudaFreeMemoryBytes(device);
   if (!free_bytes.ok()) return free_bytes.status();
   return KvCacheConfig::FromMemoryFraction(num_layers, num_heads_kv, *free_bytes, fraction,
-                                           bytes_per_value);
+                                           bytes_per_value, kv_dtype, dtype);
 }
 
 }  // namespace latentd::engine::kv

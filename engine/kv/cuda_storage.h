@@ -17,7 +17,9 @@ namespace latentd::engine::kv {
 // asynchronous on `stream` (nullptr: the legacy default stream), so they are ordered
 // before any kernel later launched there. WriteRows' source may be reused once it
 // returns when it is pageable memory (CUDA stages it); pinned sources must stay
-// untouched until Synchronize(). ReadRows waits for its copy. RESOURCE_EXHAUSTED when
+// untouched until Synchronize() (an fp8 cache quantizes into its own scratch first, so
+// there any source may be reused at once). ReadRows waits for its copy and returns the
+// stored bytes. RESOURCE_EXHAUSTED when
 // the allocation fails, UNAVAILABLE when the device cannot be used.
 absl::StatusOr<std::unique_ptr<KvStorage>> MakeCudaKvStorage(const KvCacheConfig& config,
                                                              int device, cudaStream_t stream);
@@ -29,6 +31,8 @@ absl::StatusOr<int64_t> CudaFreeMemoryBytes(int device);
 absl::StatusOr<KvCacheConfig> KvCacheConfigFromFreeGpuMemory(int num_layers,
                                                              int num_heads_kv,
                                                              double fraction, int device,
-                                                             int bytes_per_value = 2);
+                                                             int bytes_per_value = 2,
+                                                             kernels::KvDType kv_dtype = kernels::KvDType::kModel,
+                                                             kernels::DType dtype = kernels::DType::kBF16);
 
 }  // namespace latentd::engine::kv

@@ -109,14 +109,13 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
   if (absl::Status s = config.Validate(); !s.ok()) return s;
   if (storage != nullptr) {
     const KvCacheConfig& sc = storage->config();
-    if (sc.num_layers != config.num_layers || sc.num_heads_kv != config.num_heads_kv ||
-        sc.num_pages != config.num_pages || sc.bytes_per_value != config.bytes_per_value) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("storage: shaped for ", sc.num_layers, " layers, ", sc.num_heads_kv,
-                       " heads, ", sc.num_pages, " pages, ", sc.bytes_per_value,
-                       " bytes per value; the cache is configured for ", config.num_layers,
-                       ", ", config.num_heads_kv, ", ", config.num_pages, ", ",
-                       config.bytes_per_value));
+    if (!SamePool(sc, config)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "storage: shaped for ", sc.num_layers, " layers, ", sc.num_heads_kv, " heads, ",
+          sc.num_pages, " pages, ", sc.bytes_per_value, " bytes per value, ",
+          kernels::KvDTypeName(sc.kv_dtype, sc.dtype), "; the cache is configured for ",
+          config.num_layers, ", ", config.num_heads_kv, ", ", config.num_pages, ", ",
+          config.bytes_per_value, ", ", kernels::KvDTypeName(config.kv_dtype, config.dtype)));
     }
   }
   return std::make_unique<KvCacheManager>(config, storage);
@@ -332,7 +331,7 @@ absl::Status KvCacheManager::Append(Sequence* seq, int layer, const void* rows, 
       TrimTable(seq);  // gives back the pages this append added
       return s;
     }
-    src += run * config_.row_bytes();
+    src += run * config_.input_row_bytes();  // the storage quantizes fp8 rows as it writes
     pos += run;
     left -= run;
   }

@@ -70,7 +70,7 @@ class KvCacheManager {
   // Drops the sequence; returns the pages actually freed (those no fork still holds).
   absl::StatusOr<int64_t> Release(absl::string_view id);
 
-  // Appends n rows (n * row_bytes of host memory) to one layer, through the storage.
+  // Appends n rows (n * input_row_bytes of host memory) to one layer, through the storage.
   // All or nothing: RESOURCE_EXHAUSTED ("kv cache: out of pages: need X, free Y") and
   // no change when pages run out. A shared page about to be written is copied first.
   absl::Status Append(Sequence* seq, int layer, const void* rows, int n);

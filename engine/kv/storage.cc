@@ -49,6 +49,15 @@ absl::Status CheckPagePair(const KvCacheConfig& config, int32_t src_page, int32_
   return absl::OkStatus();
 }
 
+void QuantizeRowsFp8(const KvCacheConfig& config, int n, const void* src, void* dst) {
+  const auto* s = static_cast<const uint16_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  const int64_t heads = int64_t{n} * config.num_heads_kv;
+  for (int64_t i = 0; i < heads; ++i) {
+    kernels::QuantizeKvRowFp8(config.dtype, s + i * kHeadDim, d + i * kernels::kFp8RowBytes);
+  }
+}
+
 namespace {
 
 // Page-aligned so rows never straddle cache lines awkwardly and huge pages can back it.
@@ -64,7 +73,12 @@ class HostKvStorage final : public KvStorage {
 
   absl::Status WriteRows(int layer, int32_t page, int row, int n, const void* src) override {
     if (absl::Status s = CheckRowRange(config_, layer, page, row, n, src); !s.ok()) return s;
-    if (n > 0) std::memcpy(RowPtr(layer, page, row), src, n * config_.row_bytes());
+    if (n == 0) return absl::OkStatus();
+    if (config_.kv_dtype == kernels::KvDType::kFp8E4M3) {
+      QuantizeRowsFp8(config_, n, src, RowPtr(layer, page, row));  // rows of a page are contiguous
+    } else {
+      std::memcpy(RowPtr(layer, page, row), src, n * config_.row_bytes());
+    }
     return absl::OkStatus();
   }
 

@@ -1,6 +1,7 @@
 // Where the KV cache's bytes live, apart from the bookkeeping that decides which page
-// a row goes to. One tensor [L * num_pages, 64, h_kv, 576] allocated once; the host
-// implementation here backs the CPU engine and the tests (device memory: cuda_storage.h).
+// a row goes to. One tensor [L * num_pages, 64, h_kv, 576] (fp8: 656 bytes per head)
+// allocated once; the host implementation here backs the CPU engine and the tests
+// (device memory: cuda_storage.h).
 #pragma once
 
 #include <cstdint>
@@ -19,12 +20,14 @@ class KvStorage {
   virtual const KvCacheConfig& config() const = 0;
   // The tensor [L * num_pages, 64, h_kv, 576]: host or device memory, per implementation.
   virtual void* base() = 0;
-  // Copies n rows from host memory `src` (contiguous, n * row_bytes) into rows
-  // [row, row + n) of `layer` in logical page `page`; the rows must stay inside the page.
+  // Copies n rows from host memory `src` (contiguous, n * input_row_bytes: 16-bit
+  // values as clients send them) into rows [row, row + n) of `layer` in logical page
+  // `page`; the rows must stay inside the page. An fp8 cache stores each head's row as
+  // QuantizeKvRowFp8 makes it.
   virtual absl::Status WriteRows(int layer, int32_t page, int row, int n,
                                  const void* src) = 0;
-  // The reverse, into host memory `dst`; complete when it returns. For tests and
-  // debugging.
+  // The stored bytes (n * row_bytes: fp8 rows stay quantized) into host memory `dst`;
+  // complete when it returns. For tests and debugging.
   virtual absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) = 0;
   // Copies logical page `src_page` onto `dst_page` in every layer (copy-on-write).
   virtual absl::Status CopyPage(int32_t src_page, int32_t dst_page) = 0;
@@ -37,6 +40,10 @@ class KvStorage {
 absl::Status CheckRowRange(const KvCacheConfig& config, int layer, int32_t page, int row,
                            int n, const void* buffer);
 absl::Status CheckPagePair(const KvCacheConfig& config, int32_t src_page, int32_t dst_page);
+
+// Quantizes n tokens' rows (n * h_kv rows of 576 16-bit values, contiguous) into
+// n * row_bytes bytes of the fp8 format, one QuantizeKvRowFp8 per head row.
+void QuantizeRowsFp8(const KvCacheConfig& config, int n, const void* src, void* dst);
 
 // Host memory, allocated and zeroed once (so the pool is committed up front rather than
 // failing on first touch). RESOURCE_EXHAUSTED when the allocation fails.

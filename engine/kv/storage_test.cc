@@ -1,11 +1,18 @@
 // The host KvStorage: the [L * pages, 64, h_kv, 576] layout, row writes and reads,
-// whole-page copies across layers, and argument errors.
+// whole-page copies across layers, argument errors, and the fp8 format's quantizing
+// writes.
 #include "engine/kv/storage.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "kernels/cpu/half.h"
+#include "kernels/kv_fp8.h"
 
 namespace latentd::engine::kv {
 namespace {
@@ -81,6 +88,79 @@ TEST(HostKvStorage, RejectsBadArguments) {
   EXPECT_TRUE(st.WriteRows(0, 0, 0, 0, nullptr).ok());  // nothing to copy
   EXPECT_EQ(st.CopyPage(-1, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(st.CopyPage(0, 4).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// n tokens' rows of 16-bit values as a client sends them: normal-ish values with a few
+// outliers, zeros, and (when `specials`) NaN and infinities.
+std::vector<uint16_t> InputRows(const KvCacheConfig& c, int n, uint32_t seed, bool specials) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> v(static_cast<size_t>(n * c.input_row_bytes() / 2));
+  for (size_t i = 0; i < v.size(); ++i) {
+    float x = normal(rng) * (i % 97 == 0 ? 300.f : 1.f);
+    if (i % 131 == 5) x = 0.f;
+    if (specials && i % 211 == 7) x = std::numeric_limits<float>::quiet_NaN();
+    if (specials && i % 223 == 11) x = (i & 1) ? -INFINITY : INFINITY;
+    v[i] = kernels::FloatToHalf(c.dtype, x);
+  }
+  return v;
+}
+
+std::vector<uint8_t> Quantized(const KvCacheConfig& c, const std::vector<uint16_t>& in) {
+  std::vector<uint8_t> out(in.size() / kHeadDim * kernels::kFp8RowBytes);
+  for (size_t r = 0; r < in.size() / kHeadDim; ++r)
+    kernels::QuantizeKvRowFp8(c.dtype, in.data() + r * kHeadDim, out.data() + r * kernels::kFp8RowBytes);
+  return out;
+}
+
+TEST(HostKvStorage, Fp8WritesQuantizedRowsAndReadsStoredBytes) {
+  for (kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kFP16}) {
+    auto c = KvCacheConfig::FromPages(2, 2, 3, 2, kernels::KvDType::kFp8E4M3, dtype);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto s = MakeHostKvStorage(*c);
+    ASSERT_TRUE(s.ok()) << s.status();
+    KvStorage& st = **s;
+    const auto in = InputRows(*c, 7, 3 + static_cast<int>(dtype), /*specials=*/true);
+    const auto want = Quantized(*c, in);
+    ASSERT_EQ(static_cast<int64_t>(want.size()), 7 * c->row_bytes());
+    ASSERT_TRUE(st.WriteRows(1, 2, 30, 7, in.data()).ok());
+    std::vector<uint8_t> back(want.size());
+    ASSERT_TRUE(st.ReadRows(1, 2, 30, 7, back.data()).ok());
+    EXPECT_EQ(back, want) << kernels::DTypeName(dtype);
+    // At the documented place of the tensor, and nothing written around it.
+    const auto* base = static_cast<const uint8_t*>(st.base());
+    EXPECT_EQ(std::memcmp(base + c->RowOffset(1, 2, 30), want.data(), want.size()), 0);
+    EXPECT_EQ(base[c->RowOffset(1, 2, 30) - 1], 0);
+    EXPECT_EQ(base[c->RowOffset(1, 2, 37)], 0);
+    // Dequantized, the rows are close to what was sent where it was finite.
+    std::vector<uint16_t> deq(kHeadDim);
+    for (int r = 0; r < 7 * 2; ++r) {
+      kernels::DequantizeKvRowFp8(dtype, back.data() + r * kernels::kFp8RowBytes, deq.data());
+      for (int d = kernels::kHeadDimV; d < kHeadDim; ++d) ASSERT_EQ(deq[d], in[r * kHeadDim + d]) << "rope " << d;
+    }
+  }
+}
+
+TEST(HostKvStorage, Fp8CopyPageCopiesStoredPages) {
+  auto c = KvCacheConfig::FromPages(3, 1, 4, 2, kernels::KvDType::kFp8E4M3, kernels::DType::kBF16);
+  ASSERT_TRUE(c.ok());
+  auto s = MakeHostKvStorage(*c);
+  ASSERT_TRUE(s.ok());
+  KvStorage& st = **s;
+  std::vector<std::vector<uint8_t>> want;
+  for (int layer = 0; layer < 3; ++layer) {
+    const auto in = InputRows(*c, 64, 100 + layer, false);
+    want.push_back(Quantized(*c, in));
+    ASSERT_TRUE(st.WriteRows(layer, 1, 0, 64, in.data()).ok());
+  }
+  ASSERT_TRUE(st.CopyPage(1, 3).ok());
+  for (int layer = 0; layer < 3; ++layer) {
+    std::vector<uint8_t> back(64 * c->row_bytes());
+    ASSERT_TRUE(st.ReadRows(layer, 3, 0, 64, back.data()).ok());
+    EXPECT_EQ(back, want[layer]) << layer;
+    ASSERT_TRUE(st.ReadRows(layer, 2, 0, 64, back.data()).ok());
+    EXPECT_EQ(back, std::vector<uint8_t>(back.size(), 0)) << layer;
+  }
 }
 
 TEST(HostKvStorage, RejectsInvalidConfig) {
