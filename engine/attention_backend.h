@@ -25,6 +25,7 @@ struct BackendOptions {
   int64_t kv_pages = 0;
   int64_t kv_bytes = 0;
   double kv_memory_fraction = 0.0;
+  kernels::KvDType kv_dtype = kernels::KvDType::kModel;  // the pool's storage format
 };
 
 class AttentionBackend {

@@ -8,13 +8,20 @@
 
 namespace latentd::engine {
 
-int64_t PageBytes(const ModelConfig& model) {
-  return int64_t{model.num_layers} * kernels::kPageSize * model.num_heads_kv * kernels::kHeadDimQK *
-         kernels::DTypeBytes(model.dtype);
+kv::KvCacheConfig PoolShape(const BackendOptions& o) {
+  kv::KvCacheConfig c;
+  c.num_layers = o.model.num_layers;
+  c.num_heads_kv = o.model.num_heads_kv;
+  c.bytes_per_value = kernels::DTypeBytes(o.model.dtype);
+  c.kv_dtype = o.kv_dtype;
+  c.dtype = o.model.dtype;
+  return c;
 }
 
+int64_t PageBytes(const BackendOptions& o) { return PoolShape(o).page_bytes(); }
+
 absl::StatusOr<int64_t> PoolPages(const BackendOptions& o, int64_t available_bytes) {
-  const int64_t page = PageBytes(o.model);
+  const int64_t page = PageBytes(o);
   int64_t pages = 0;
   if (o.kv_pages > 0) {
     pages = o.kv_pages;
@@ -82,6 +89,7 @@ kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheC
                                     int width) {
   kernels::MlaDecodeParams p;
   p.dtype = model.dtype;
+  p.kv_dtype = kv.kv_dtype;
   p.batch = g.num_entries;
   p.s_q = g.s_q;
   p.h_q = model.num_heads_q;
@@ -90,7 +98,7 @@ kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheC
   p.max_pages_per_seq = width;
   p.softmax_scale = model.softmax_scale;
   p.causal = g.causal;
-  kernels::SetContiguousStrides(&p);
+  kernels::SetContiguousStrides(&p);  // kv strides follow p.kv_dtype
   return p;
 }
 

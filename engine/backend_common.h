@@ -12,8 +12,11 @@
 
 namespace latentd::engine {
 
-// Bytes of one logical page (64 tokens of every layer).
-int64_t PageBytes(const ModelConfig& model);
+// The pool's shape and storage format for `options` (num_pages left 0).
+kv::KvCacheConfig PoolShape(const BackendOptions& options);
+
+// Bytes of one logical page (64 tokens of every layer) as the pool stores it.
+int64_t PageBytes(const BackendOptions& options);
 
 // Pages for the pool from kv_pages, else kv_bytes, else fraction * available_bytes.
 absl::StatusOr<int64_t> PoolPages(const BackendOptions& options, int64_t available_bytes);
@@ -38,8 +41,9 @@ int MaxTablePages(const Batch& batch);
 // to width.
 void WritePhysicalTable(const BatchEntry& e, int width, int32_t* row);
 
-// Shapes, dtype and contiguous strides of one group's launch over a table of `width`
-// pages; the caller sets the pointers.
+// Shapes, dtype, the cache's kv_dtype and contiguous strides (kv strides in the cache's
+// elements: bytes for fp8) of one group's launch over a table of `width` pages; the
+// caller sets the pointers.
 kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheConfig& kv, const LaunchGroup& g,
                                     int width);
 

@@ -37,7 +37,8 @@ class CpuBackend final : public AttentionBackend {
 
   void Stage(Batch& batch) override {
     const int h_q = o_.model.num_heads_q;
-    const size_t row_bytes = size_t(o_.model.num_heads_kv) * kHeadDimQK * 2;
+    // Steps carry 16-bit rows; the pool quantizes them when it stores fp8.
+    const size_t row_bytes = size_t(config_.input_row_bytes());
     // New rows go straight into the host pool.
     for (auto& e : batch.entries) {
       if (!e.status.ok()) continue;
@@ -115,11 +116,8 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCpuBackend(const BackendOp
   if (opts.kv_pages <= 0 && opts.kv_bytes <= 0 && opts.kv_memory_fraction <= 0) opts.kv_bytes = int64_t{1} << 30;
   auto pages = PoolPages(opts, ram);
   if (!pages.ok()) return pages.status();
-  kv::KvCacheConfig config;
-  config.num_layers = o.model.num_layers;
-  config.num_heads_kv = o.model.num_heads_kv;
+  kv::KvCacheConfig config = PoolShape(opts);
   config.num_pages = *pages;
-  config.bytes_per_value = 2;
   auto storage = kv::MakeHostKvStorage(config);
   if (!storage.ok()) return storage.status();
   return std::unique_ptr<AttentionBackend>(new CpuBackend(opts, config, std::move(*storage)));

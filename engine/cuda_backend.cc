@@ -67,6 +67,8 @@ class CudaBackend final : public AttentionBackend {
     if (!(st = CudaStatus(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
 
     const int h_q = o.model.num_heads_q, T = o.max_batch_tokens, E = o.max_batch_size;
+    // Staging carries rows as clients send them (16-bit); the scatter quantizes them into
+    // an fp8 pool on the device.
     row_bytes_ = size_t(o.model.num_heads_kv) * kHeadDimQK * 2;
     // The largest batch's inputs ahead of its block tables; Stage packs each batch tighter.
     max_fixed_in_bytes_ = AlignUp(size_t(T) * h_q * kHeadDimQK * 2);
@@ -109,10 +111,8 @@ class CudaBackend final : public AttentionBackend {
     if (sized.kv_pages <= 0 && sized.kv_bytes <= 0 && sized.kv_memory_fraction <= 0) sized.kv_memory_fraction = 0.8;
     auto pages = PoolPages(sized, static_cast<int64_t>(free_bytes));
     if (!pages.ok()) return pages.status();
-    config_.num_layers = o.model.num_layers;
-    config_.num_heads_kv = o.model.num_heads_kv;
+    config_ = PoolShape(o);
     config_.num_pages = *pages;
-    config_.bytes_per_value = 2;
     auto storage = kv::MakeCudaKvStorage(config_, o.device, stream_);
     if (!storage.ok()) return storage.status();
     storage_ = std::move(*storage);
@@ -243,7 +243,12 @@ class CudaBackend final : public AttentionBackend {
                                                                   s.dev_in + s.off_copies),
                                                               2 * s.copies_in, s.max_copy_in, stream_)),
                       "inputs from registered memory");
-    if (st.ok())
+    if (st.ok() && config_.kv_dtype == kernels::KvDType::kFp8E4M3)
+      st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRowsFp8(
+                          s.dev_in + s.off_kv, reinterpret_cast<const int64_t*>(s.dev_in + s.off_dst), s.rows,
+                          o_.model.num_heads_kv, o_.model.dtype, storage_->base(), stream_)),
+                      "scatter and quantize new rows");
+    else if (st.ok())
       st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRows(
                           s.dev_in + s.off_kv, reinterpret_cast<const int64_t*>(s.dev_in + s.off_dst), s.rows,
                           static_cast<int>(row_bytes_), storage_->base(), stream_)),

@@ -63,6 +63,8 @@ class EngineImpl final : public Engine {
     info.model = o_.model;
     info.backend = backend_->Name();
     info.max_batch_size = o_.max_batch_size;
+    info.kv_dtype = backend_->kv_config().kv_dtype;
+    info.kv_bytes_per_token = backend_->kv_config().token_bytes();
     absl::MutexLock lock(&kv_mu_);
     const auto stats = kv_.GetStats();
     info.total_pages = stats.total_pages;
@@ -269,6 +271,7 @@ class EngineImpl final : public Engine {
   }
 
  private:
+  // Bytes of one appended row as clients send it (16-bit values, whatever the pool stores).
   size_t RowBytes() const { return size_t(o_.model.num_heads_kv) * kHeadDimQK * 2; }
 
   absl::Status CheckSequenceLimit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
@@ -566,6 +569,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   b.kv_pages = o.kv_pages;
   b.kv_bytes = o.kv_bytes;
   b.kv_memory_fraction = o.kv_memory_fraction;
+  b.kv_dtype = o.kv_dtype;
   auto backend = MakeBackend(o.backend, b);
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend)));

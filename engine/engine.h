@@ -37,6 +37,9 @@ struct EngineOptions {
   int64_t kv_pages = 0;
   int64_t kv_bytes = 0;
   double kv_memory_fraction = 0.0;  // of free GPU memory (CUDA) or of physical RAM (CPU)
+  // How the pool stores rows: in the model dtype, or quantized to fp8_e4m3
+  // (kernels/kv_fp8.h) as they are appended. Clients send 16-bit rows either way.
+  kernels::KvDType kv_dtype = kernels::KvDType::kModel;
   int max_batch_size = 64;          // steps per launch
   int max_batch_tokens = 1024;      // query rows (sum of s_q) per launch
   int max_queue = 4096;             // queued steps before submissions are refused
@@ -64,6 +67,8 @@ struct EngineInfo {
   int64_t total_pages = 0;
   int64_t free_pages = 0;
   int max_batch_size = 0;
+  kernels::KvDType kv_dtype = kernels::KvDType::kModel;  // name: kernels::KvDTypeName
+  int64_t kv_bytes_per_token = 0;  // pool bytes one token takes, every layer and KV head
 };
 
 struct SequenceLengths {

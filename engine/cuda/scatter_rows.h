@@ -1,8 +1,11 @@
 // Writes a batch's new KV rows from device staging into their pool slots, so one
-// host-to-device copy per batch carries every step's rows. Plain C++ header.
+// host-to-device copy per batch carries every step's rows; an fp8 pool gets them
+// quantized on the way. Plain C++ header.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/params.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -13,6 +16,12 @@ namespace latentd::engine {
 // Returns a cudaError_t value (0 = success).
 int LaunchScatterRows(const void* src, const int64_t* dst_rows, int n, int row_bytes, void* pool,
                       cudaStream_t stream);
+
+// The same for an fp8_e4m3 pool (kernels/kv_fp8.h): src row i is h_kv x 576 values in
+// `dtype`; pool row dst_rows[i] receives h_kv x 656 bytes, bit-identical to what
+// QuantizeKvRowFp8 makes of each head's row. Returns a cudaError_t value.
+int LaunchScatterRowsFp8(const void* src, const int64_t* dst_rows, int n, int h_kv, kernels::DType dtype,
+                         void* pool, cudaStream_t stream);
 
 }  // namespace latentd::engine
 
