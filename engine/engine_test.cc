@@ -1,7 +1,7 @@
 // Engine scenarios: batched results against the CPU oracle, order per sequence, mixed
 // layers and s_q in one batch, fairness under overload and between flows,
 // backpressure, cancellation, deadlines, pool exhaustion mid-run, draining, chunked
-// uploads, the sequence limit and resync. Built twice: on the CPU backend (CI,
+// uploads, the sequence limit and resync, and an fp8 KV cache. Built twice: on the CPU backend (CI,
 // bit-exact against the oracle) and on the CUDA backend (tag gpu, within tolerance).
 #include <gtest/gtest.h>
 
@@ -775,6 +775,55 @@ TEST_F(EngineTest, IdleSweepReleasesInBoundedPasses) {
   EXPECT_EQ(engine->ReleaseIdleSequences(absl::Milliseconds(10)), 1000);
   EXPECT_EQ(engine->Metrics().sequences, 1);
   EXPECT_TRUE(engine->GetSequence(busy).ok());
+}
+
+// An fp8_e4m3 cache: rows are quantized as they are appended (AppendKv and steps' own
+// rows), forks and copy-on-write carry the stored bytes, and every result matches the
+// oracle over the same rows quantized and dequantized (bit-exact on the CPU backend).
+TEST_F(EngineTest, Fp8CacheMatchesOracleOverDequantizedRows) {
+  for (kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kFP16}) {
+    EngineOptions o = Model(2, 32, 2);
+    o.model.dtype = dtype;
+    o.kv_dtype = kernels::KvDType::kFp8E4M3;
+    o.batch_window = absl::Milliseconds(5);
+    auto engine = Make(o);
+    ASSERT_NE(engine, nullptr);
+    const EngineInfo info = engine->Info();
+    EXPECT_EQ(info.kv_dtype, kernels::KvDType::kFp8E4M3);
+    EXPECT_EQ(info.kv_bytes_per_token, 656 * 2 * 2);
+    Harness h(engine.get(), 40 + static_cast<int>(dtype));
+    std::vector<std::string> seqs;
+    for (int p : {0, 1, 63, 64, 130}) seqs.push_back(h.NewSequence(p));
+    seqs.push_back(h.Fork(seqs.back()));  // shares 130 rows' pages; the next steps copy on write
+    std::vector<Harness::Pending*> steps;
+    for (int round = 0; round < 2; ++round)
+      for (const auto& s : seqs)
+        for (int layer = 0; layer < 2; ++layer) {
+          const int s_q = 1 + (round + layer) % 3;
+          steps.push_back(h.MakeStep(s, layer, s_q, s_q > 1));
+          ASSERT_TRUE(h.Submit(steps.back()).ok());
+        }
+    ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+    for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact)) << kernels::DTypeName(dtype);
+  }
+}
+
+// Pool sizing follows the stored row size: the same bytes hold 1152 / 656 = 1.76x the
+// pages of a bf16 cache.
+TEST_F(EngineTest, Fp8CacheHoldsMorePagesInTheSameBytes) {
+  EngineOptions o = Model(4, 16, 1);
+  o.backend = kBackend;
+  o.cpu_threads = 2;
+  o.kv_bytes = int64_t{64} << 20;  // not Make(): it would fix kv_pages
+  auto bf16 = Engine::Create(o);
+  o.kv_dtype = kernels::KvDType::kFp8E4M3;
+  auto fp8 = Engine::Create(o);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_EQ((*bf16)->Info().kv_dtype, kernels::KvDType::kModel);
+  EXPECT_EQ((*bf16)->Info().kv_bytes_per_token, 4 * 576 * 2);
+  EXPECT_EQ((*fp8)->Info().kv_bytes_per_token, 4 * 656);
+  EXPECT_GE(double((*fp8)->Info().total_pages), 1.7 * double((*bf16)->Info().total_pages));
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/half.h"
 #include "kernels/cpu/mla_decode_cpu.h"
+#include "kernels/kv_fp8.h"
 
 namespace latentd::engine::testing {
 
@@ -16,7 +17,8 @@ using kernels::kHeadDimQK;
 using kernels::kHeadDimV;
 using kernels::kPageSize;
 
-Harness::Harness(Engine* engine, uint64_t seed) : engine_(engine), model_(engine->Info().model), rng_(seed) {}
+Harness::Harness(Engine* engine, uint64_t seed)
+    : engine_(engine), model_(engine->Info().model), kv_dtype_(engine->Info().kv_dtype), rng_(seed) {}
 
 Harness::~Harness() { HoldCallbacks(false); }
 
@@ -167,6 +169,14 @@ int Harness::completed() const {
   std::vector<uint16_t> kv(size_t(pages) * kPageSize * h_kv * kHeadDimQK,
                            kernels::FloatToHalf(model_.dtype, std::numeric_limits<float>::quiet_NaN()));
   std::copy(p.context.begin(), p.context.end(), kv.begin());
+  if (kv_dtype_ == kernels::KvDType::kFp8E4M3) {
+    // What the engine stored of each row, read back as every decoder reads it.
+    uint8_t stored[kernels::kFp8RowBytes];
+    for (size_t r = 0; r < p.context.size() / kHeadDimQK; ++r) {
+      kernels::QuantizeKvRowFp8(model_.dtype, kv.data() + r * kHeadDimQK, stored);
+      kernels::DequantizeKvRowFp8(model_.dtype, stored, kv.data() + r * kHeadDimQK);
+    }
+  }
   std::vector<int32_t> table(pages);
   for (int i = 0; i < pages; ++i) table[i] = i;
   const int32_t seqlen = static_cast<int32_t>(len);

@@ -1,7 +1,8 @@
 // Test harness for the engine: a client that keeps a host copy of every row it
 // uploads, submits decode steps, collects their results, and checks each result
 // against kernels/cpu run on that copy (the oracle). Shared by the CPU engine tests
-// and the same scenarios on the CUDA backend.
+// and the same scenarios on the CUDA backend. With an fp8 cache the oracle reads the
+// copy quantized and dequantized as the engine stores it (kernels/kv_fp8.h).
 #pragma once
 
 #include <atomic>
@@ -72,6 +73,7 @@ class Harness : public StepCallback {
 
   Engine* engine_;
   ModelConfig model_;
+  kernels::KvDType kv_dtype_;
   std::mt19937_64 rng_;
   std::map<std::string, Shadow> shadows_;
   std::vector<std::unique_ptr<Pending>> steps_;
