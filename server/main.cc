@@ -62,6 +62,9 @@ ABSL_FLAG(int, num_heads_q, 16, "query heads (h_q), a multiple of num_heads_kv")
 ABSL_FLAG(int, num_heads_kv, 1, "latent KV heads (h_kv)");
 ABSL_FLAG(std::string, dtype, "bf16", "element type of q, kv and out: bf16 or fp16");
 ABSL_FLAG(double, softmax_scale, 0.0, "attention scale; 0 means 1/sqrt(576)");
+ABSL_FLAG(std::string, kv_dtype, "auto",
+          "how the KV cache stores rows: auto or the model dtype's name (as sent), or fp8_e4m3 (quantized on "
+          "append: 656 instead of 1152 bytes per token and KV head; docs/fp8-kv-cache.md)");
 ABSL_FLAG(int64_t, kv_pages, 0, "KV pool size in pages (64 tokens of every layer each)");
 ABSL_FLAG(int64_t, kv_bytes, 0, "KV pool size in bytes (used when --kv_pages is 0)");
 ABSL_FLAG(double, kv_memory_fraction, 0.0,
@@ -213,6 +216,15 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
     o->model.dtype = kernels::DType::kFP16;
   } else {
     return "--dtype: '" + dtype + "'; expected bf16 or fp16";
+  }
+  // Clients send rows in the model dtype either way; fp8 is only how the pool keeps them.
+  const std::string kv_dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_kv_dtype));
+  if (kv_dtype == "auto" || kv_dtype == dtype) {
+    o->kv_dtype = kernels::KvDType::kModel;
+  } else if (kv_dtype == "fp8_e4m3") {
+    o->kv_dtype = kernels::KvDType::kFp8E4M3;
+  } else {
+    return absl::StrCat("--kv_dtype: '", kv_dtype, "'; expected auto, ", dtype, " (the model dtype) or fp8_e4m3");
   }
   o->model.num_layers = absl::GetFlag(FLAGS_num_layers);
   o->model.num_heads_q = absl::GetFlag(FLAGS_num_heads_q);
@@ -374,14 +386,14 @@ int Run() {
 
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = absl::StrCat(host, ":", port);
-  const int64_t page_bytes = int64_t{eo.model.num_layers} * kernels::kPageSize * eo.model.num_heads_kv *
-                             kernels::kHeadDimQK * kernels::DTypeBytes(eo.model.dtype);
+  const int64_t page_bytes = info.kv_bytes_per_token * kernels::kPageSize;
   spdlog::info(
       "latentd {} serving on {} | backend {} device {} | model {} layers {} h_q {} h_kv {} {} scale {:.6g} | "
-      "KV pool {} pages of 64 tokens ({:.2f} GiB) | max_batch {} | tls {} | auth {}",
+      "KV pool {} pages of 64 tokens ({:.2f} GiB), kv dtype {}, {} bytes per token | max_batch {} | tls {} | auth {}",
       kVersion, address, info.backend, eo.device, model_preset, info.model.num_layers, info.model.num_heads_q,
       info.model.num_heads_kv, kernels::DTypeName(info.model.dtype), info.model.softmax_scale, info.total_pages,
-      static_cast<double>(info.total_pages * page_bytes) / (1 << 30), info.max_batch_size,
+      static_cast<double>(info.total_pages * page_bytes) / (1 << 30),
+      kernels::KvDTypeName(info.kv_dtype, info.model.dtype), info.kv_bytes_per_token, info.max_batch_size,
       cert_path.empty() ? "off" : "on", so.auth_token.empty() ? "off" : "on (" + token->source + ")");
   if (!so.auth_token.empty() && cert_path.empty()) {
     spdlog::warn(

@@ -20,6 +20,7 @@
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "kernels/params.h"
 #include "server/auth.h"
 
 namespace latentd::server {
@@ -234,7 +235,7 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const st
       .Name("latentd_build_info")
       .Help("Always 1; the labels say which latentd this is and what it serves with.")
       .Register(*x->registry_)
-      .Add({{"version", build.version}, {"backend", backend}, {"device", device}})
+      .Add({{"version", build.version}, {"backend", backend}, {"device", device}, {"kv_dtype", build.kv_dtype}})
       .Set(1);
   x->collector_ = std::make_shared<SnapshotCollector>(std::move(source), total_pages);
   try {
@@ -265,7 +266,8 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const st
         s.auth_failures = AuthFailures();
         return s;
       },
-      info.total_pages, BuildInfo{version, info.backend});
+      info.total_pages,
+      BuildInfo{version, info.backend, kernels::KvDTypeName(info.kv_dtype, info.model.dtype)});
 }
 
 MetricsExporter::~MetricsExporter() { Stop(); }

@@ -61,6 +61,7 @@ absl::Status ValidateMetricsListen(absl::string_view address);
 struct BuildInfo {
   std::string version;
   std::string backend;  // EngineInfo::backend: "cpu" or "cuda:<device name>"
+  std::string kv_dtype;  // the KV cache's storage: "bf16" / "fp16" or "fp8_e4m3"
 };
 
 class MetricsExporter {

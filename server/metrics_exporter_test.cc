@@ -191,7 +191,7 @@ TEST(MetricsExporter, ServesScrapesFromTheSourceAndStops) {
         ++calls;
         return SampleSnapshot();
       },
-      100, BuildInfo{"1.2.3", "cuda:Test GPU"});
+      100, BuildInfo{"1.2.3", "cuda:Test GPU", "fp8_e4m3"});
   ASSERT_TRUE(exporter.ok()) << exporter.status();
   const std::string address = (*exporter)->address();
   ASSERT_TRUE(absl::StartsWith(address, "127.0.0.1:")) << address;
@@ -202,7 +202,7 @@ TEST(MetricsExporter, ServesScrapesFromTheSourceAndStops) {
   const std::string body = HttpGet(port, "/metrics");
   EXPECT_THAT(body, HasSubstr("200 OK"));
   EXPECT_THAT(body, HasSubstr("latentd_steps_completed_total 100"));
-  EXPECT_THAT(body, HasSubstr("latentd_build_info{backend=\"cuda\",device=\"Test GPU\",version=\"1.2.3\"} 1"));
+  EXPECT_THAT(body, HasSubstr("latentd_build_info{backend=\"cuda\",device=\"Test GPU\",kv_dtype=\"fp8_e4m3\",version=\"1.2.3\"} 1"));
   EXPECT_EQ(calls.load(), 1);
 
   // A second exporter on the same port must fail, naming the flag.

@@ -1268,6 +1268,8 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_steps_completed(m.steps_completed);
   response->set_queued_steps(m.queued_steps);
   response->set_draining(draining());
+  response->set_kv_dtype(kernels::KvDTypeName(info.kv_dtype, info.model.dtype));
+  response->set_kv_bytes_per_token(info.kv_bytes_per_token);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/half.h"
+#include "kernels/kv_fp8.h"
 
 namespace latentd::client {
 
@@ -27,8 +28,13 @@ kernels::DType DTypeOf(const v1::ServerInfo& info) {
   return info.dtype() == v1::FP16 ? kernels::DType::kFP16 : kernels::DType::kBF16;
 }
 
+kernels::KvDType KvDTypeOf(const v1::ServerInfo& info) {
+  return info.kv_dtype() == "fp8_e4m3" ? kernels::KvDType::kFp8E4M3 : kernels::KvDType::kModel;
+}
+
 Reference::Reference(const v1::ServerInfo& info, int cpu_threads)
     : dtype_(DTypeOf(info)),
+      kv_dtype_(KvDTypeOf(info)),
       h_q_(info.num_heads_q()),
       h_kv_(info.num_heads_kv()),
       scale_(info.softmax_scale()),
@@ -44,6 +50,14 @@ void Reference::Append(const std::string& sequence_id, int layer, absl::string_v
   const size_t old = v.size();
   v.resize(old + rows.size() / 2);
   std::memcpy(v.data() + old, rows.data(), rows.size() / 2 * 2);
+  if (kv_dtype_ == kernels::KvDType::kFp8E4M3) {
+    // The server keeps QuantizeKvRowFp8's bytes; decoders read them dequantized.
+    uint8_t stored[kernels::kFp8RowBytes];
+    for (size_t r = old; r + kernels::kHeadDimQK <= v.size(); r += kernels::kHeadDimQK) {
+      kernels::QuantizeKvRowFp8(dtype_, v.data() + r, stored);
+      kernels::DequantizeKvRowFp8(dtype_, stored, v.data() + r);
+    }
+  }
 }
 
 void Reference::Fork(const std::string& from, const std::string& to) {

@@ -1,6 +1,8 @@
 // Client-side check of server results: mirrors every KV row a client uploaded (prefixes
 // and decode steps, in the order the server appends them) and recomputes a step with
 // the exact CPU implementation (kernels/cpu), then compares within FlashMLA's tolerances.
+// Against an fp8 KV cache (ServerInfo.kv_dtype) it mirrors what the server stores: each
+// row quantized (QuantizeKvRowFp8) and read back dequantized, as every decoder reads it.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,8 @@ namespace latentd::client {
 std::string RandomHalves(std::mt19937_64& rng, size_t count, kernels::DType dtype);
 
 kernels::DType DTypeOf(const v1::ServerInfo& info);
+// kModel for "" (a server from before the field), the model dtype's name or "auto".
+kernels::KvDType KvDTypeOf(const v1::ServerInfo& info);
 
 class Reference {
  public:
@@ -52,6 +56,7 @@ class Reference {
 
  private:
   const kernels::DType dtype_;
+  const kernels::KvDType kv_dtype_;
   const int h_q_, h_kv_;
   const float scale_;
   mutable std::mutex rows_mu_;

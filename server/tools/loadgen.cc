@@ -197,10 +197,13 @@ int Main() {
     std::fprintf(stderr, "loadgen: need --sequences >= 1, --prefix_len >= 0, 1 <= --s_q <= %d\n", info.max_s_q());
     return 2;
   }
-  std::printf("loadgen: %s backend %s, layers %d h_q %d h_kv %d %s, pool %ld pages (%ld free)\n",
+  // The KV dtype says which cache a run measured (and what the checks dequantize).
+  std::printf("loadgen: %s backend %s, layers %d h_q %d h_kv %d %s, kv %s (%ld bytes/token), pool %ld pages (%ld free)\n",
               co.target.c_str(), info.backend().c_str(), info.num_layers(), info.num_heads_q(),
               info.num_heads_kv(), dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
-              static_cast<long>(info.total_pages()), static_cast<long>(info.free_pages()));
+              info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(),
+              static_cast<long>(info.kv_bytes_per_token()), static_cast<long>(info.total_pages()),
+              static_cast<long>(info.free_pages()));
   std::fflush(stdout);
 
   std::unique_ptr<client::Reference> ref;

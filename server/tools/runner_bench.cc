@@ -200,9 +200,10 @@ int Main() {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
   }
-  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens%s\n",
+  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s, kv %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens%s\n",
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
-              dtype == kernels::DType::kBF16 ? "bf16" : "fp16", R, B, L, s_q, prefix, tokens,
+              dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
+              info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(), R, B, L, s_q, prefix, tokens,
               shm ? ", shared region" : "");
   std::fflush(stdout);
 

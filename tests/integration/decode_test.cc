@@ -1,6 +1,8 @@
 // End-to-end correctness: the real daemon (CPU backend) driven by the C++ client from
 // many threads, every result checked against the CPU implementation: several layers,
-// s_q 1 and 2 (causal and not), h_q 16 and 32, varied prefixes, forked sequences.
+// s_q 1 and 2 (causal and not), h_q 16 and 32, varied prefixes, forked sequences, and
+// an fp8 KV cache (checked against the rows quantized and dequantized as the server
+// stores them).
 #include <gtest/gtest.h>
 
 #include <random>
@@ -19,11 +21,12 @@ struct Shape {
   int layers, h_q, h_kv;
   const char* dtype;
   int threads;
+  const char* kv_dtype = "auto";  // --kv_dtype
 };
 
 void PrintTo(const Shape& s, std::ostream* os) {
-  *os << "layers " << s.layers << " h_q " << s.h_q << " h_kv " << s.h_kv << " " << s.dtype << ", " << s.threads
-      << " threads";
+  *os << "layers " << s.layers << " h_q " << s.h_q << " h_kv " << s.h_kv << " " << s.dtype << ", kv " << s.kv_dtype
+      << ", " << s.threads << " threads";
 }
 
 // Steps one thread sends per round, and rounds (a fork happens after the first).
@@ -36,7 +39,7 @@ TEST_P(DecodeTest, ResultsMatchCpuImplementation) {
   const Shape shape = GetParam();
   Daemon daemon({absl::StrCat("--num_layers=", shape.layers), absl::StrCat("--num_heads_q=", shape.h_q),
                  absl::StrCat("--num_heads_kv=", shape.h_kv), absl::StrCat("--dtype=", shape.dtype),
-                 "--kv_pages=4096", "--batch_window_us=200"});
+                 absl::StrCat("--kv_dtype=", shape.kv_dtype), "--kv_pages=4096", "--batch_window_us=200"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   // Two channels, so streams share connections in different ways.
   auto c1 = daemon.Connect();
@@ -46,7 +49,12 @@ TEST_P(DecodeTest, ResultsMatchCpuImplementation) {
   ASSERT_EQ(info.num_layers(), shape.layers);
   ASSERT_EQ(info.num_heads_q(), shape.h_q);
   ASSERT_EQ(info.num_heads_kv(), shape.h_kv);
+  const bool fp8 = std::string(shape.kv_dtype) == "fp8_e4m3";
+  EXPECT_EQ(info.kv_dtype(), fp8 ? "fp8_e4m3" : shape.dtype);
+  EXPECT_EQ(info.kv_bytes_per_token(), int64_t{shape.layers} * shape.h_kv * (fp8 ? 656 : 1152));
   const kernels::DType dtype = client::DTypeOf(info);
+  // The reference mirrors what the server stores (fp8: quantized, then dequantized).
+  ASSERT_EQ(client::KvDTypeOf(info), fp8 ? kernels::KvDType::kFp8E4M3 : kernels::KvDType::kModel);
   client::Reference ref(info, 1);
   const client::Shape sz((*c1)->info());
 
@@ -192,10 +200,11 @@ TEST_P(DecodeTest, ResultsMatchCpuImplementation) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DecodeTest,
                          ::testing::Values(Shape{3, 16, 1, "bf16", 8}, Shape{2, 32, 1, "bf16", 4},
-                                           Shape{2, 32, 2, "fp16", 3}),
+                                           Shape{2, 32, 2, "fp16", 3}, Shape{3, 16, 1, "bf16", 4, "fp8_e4m3"},
+                                           Shape{2, 32, 2, "fp16", 3, "fp8_e4m3"}),
                          [](const ::testing::TestParamInfo<Shape>& p) {
                            return absl::StrCat("layers", p.param.layers, "_hq", p.param.h_q, "_hkv", p.param.h_kv,
-                                               "_", p.param.dtype);
+                                               "_", p.param.dtype, "_kv_", p.param.kv_dtype);
                          });
 
 }  // namespace

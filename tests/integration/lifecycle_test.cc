@@ -272,6 +272,41 @@ TEST(LifecycleTest, TakenPortFailsTheStart) {
   ASSERT_TRUE(c.ok()) << c.status();
 }
 
+// --kv_dtype takes auto, the model dtype's own name or fp8_e4m3; anything else stops
+// the start with a message naming the allowed values.
+TEST(LifecycleTest, KvDtypeFlag) {
+  struct Bad {
+    std::vector<std::string> flags;
+    std::string expect;
+  };
+  for (const Bad& b : {Bad{{"--kv_dtype=int8"}, "--kv_dtype: 'int8'; expected auto, bf16 (the model dtype) or fp8_e4m3"},
+                       Bad{{"--dtype=fp16", "--kv_dtype=bf16"},
+                           "--kv_dtype: 'bf16'; expected auto, fp16 (the model dtype) or fp8_e4m3"}}) {
+    Daemon daemon(b.flags);
+    EXPECT_FALSE(daemon.Start(absl::Seconds(30))) << b.expect;
+    EXPECT_EQ(daemon.Wait(absl::Seconds(30)), 2) << b.expect << "\n" << daemon.Log();
+    EXPECT_TRUE(absl::StrContains(daemon.Log(), b.expect)) << b.expect << "\n" << daemon.Log();
+  }
+  struct Good {
+    std::vector<std::string> flags;
+    std::string kv_dtype;
+    int64_t bytes_per_token;
+  };
+  for (const Good& g : {Good{{"--kv_dtype=bf16", "--num_layers=2"}, "bf16", 2 * 1152},
+                        Good{{"--dtype=fp16"}, "fp16", 1152},
+                        Good{{"--kv_dtype=FP8_E4M3", "--num_layers=3", "--num_heads_q=32", "--num_heads_kv=2"},
+                             "fp8_e4m3", 3 * 2 * 656}}) {
+    Daemon daemon(g.flags);
+    ASSERT_TRUE(daemon.Start()) << daemon.Log();
+    auto c = daemon.Connect();
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ((*c)->info().kv_dtype(), g.kv_dtype);
+    EXPECT_EQ((*c)->info().kv_bytes_per_token(), g.bytes_per_token);
+    // The start-up line says which cache this is.
+    EXPECT_TRUE(absl::StrContains(daemon.Log(), "kv dtype " + g.kv_dtype)) << daemon.Log();
+  }
+}
+
 TEST(LifecycleTest, BearerTokenIsRequired) {
   Daemon daemon({"--auth_token=s3cret-token"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();

@@ -20,3 +20,21 @@ grep -qE "latency ms: p50 [0-9.]+  p90 [0-9.]+  p99" <<<"$out"
 # The daemon drains and exits 0 on SIGTERM.
 kill -TERM $pid
 wait $pid
+
+# Against an fp8 KV cache: the header names it, and the checks (which dequantize what
+# the server stored) still find no mismatch.
+rm -f "$dir/port"
+"$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --kv_dtype=fp8_e4m3 --listen=127.0.0.1:0 \
+  --port_file="$dir/port" > "$dir/latentd_fp8.log" 2>&1 &
+pid=$!
+for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+[[ -s $dir/port ]] || { cat "$dir/latentd_fp8.log"; exit 1; }
+out=$("$loadgen" --target="127.0.0.1:$(cat "$dir/port")" --sequences=4 --streams=2 --prefix_len=200 \
+  --layers=2 --s_q=2 --window=4 --duration_s=2 --check_fraction=0.5 --check_threads=1)
+echo "$out"
+grep -q "kv fp8_e4m3 (1312 bytes/token)" <<<"$out"
+grep -q "0 failed" <<<"$out"
+grep -qE "checked [1-9][0-9]* steps .* 0 mismatched" <<<"$out"
+grep -q "kv dtype fp8_e4m3" "$dir/latentd_fp8.log"
+kill -TERM $pid
+wait $pid
