@@ -2,7 +2,7 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench/bench_kernels.h"
+#include "kernels/kv_fp8.h"
 #include "kernels/mla_decode_cuda.h"
 
 namespace latentd::bench {
@@ -53,7 +54,12 @@ struct Config {
   DType dtype;
   int s_q = 1;
   bool causal = false;
+  kernels::KvDType kv = kernels::KvDType::kModel;
 };
+
+bool IsFp8(const Config& c) { return c.kv == kernels::KvDType::kFp8E4M3; }
+// Bytes of one token's KV row (h_kv 1) in the cache.
+int RowBytes(const Config& c) { return IsFp8(c) ? kernels::kFp8RowBytes : kernels::kHeadDimQK * 2; }
 
 int g_tile = 0;  // --tile: force the planner's tile (0: its choice)
 
@@ -65,12 +71,12 @@ struct Result {
   int copies;
 };
 
-Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* pool, size_t pool_elems,
+Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, size_t pool_bytes,
                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const int h_kv = 1, s_q = c.s_q;
   const int pages_per_seq = (c.s_k + kernels::kPageSize - 1) / kernels::kPageSize;
-  const size_t page_elems = size_t(kernels::kPageSize) * h_kv * kernels::kHeadDimQK;
-  const int64_t pool_pages = int64_t(pool_elems / page_elems);
+  const size_t page_bytes = size_t(kernels::kPageSize) * h_kv * RowBytes(c);
+  const int64_t pool_pages = int64_t(pool_bytes / page_bytes);
   const int64_t pages_per_copy = int64_t(c.b) * pages_per_seq;
   if (pages_per_copy > pool_pages) {
     std::fprintf(stderr, "config does not fit the KV pool\n");
@@ -105,6 +111,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* poo
   auto params = [&](int k) {
     MlaDecodeParams p;
     p.dtype = c.dtype;
+    p.kv_dtype = c.kv;
     p.batch = c.b;
     p.s_q = s_q;
     p.h_q = c.h_q;
@@ -177,11 +184,16 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, uint16_t* poo
 
 int Main(int argc, char** argv) {
   int runs = 100;
-  std::string only;
+  std::string only, kv_filter;  // --kv_dtype: only the rows of that KV cache dtype
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
+  }
+  if (!kv_filter.empty() && kv_filter != "model" && kv_filter != "fp8_e4m3") {
+    std::fprintf(stderr, "--kv_dtype: expected model or fp8_e4m3, got %s\n", kv_filter.c_str());
+    return 2;
   }
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
@@ -216,9 +228,9 @@ int Main(int argc, char** argv) {
   const double ceiling = ceil_bytes / (Median(t) * 1e-3) / 1e9;
   CHECK_CUDA(cudaFree(big));
 
-  uint16_t* pool = nullptr;
+  void* pool = nullptr;
   CHECK_CUDA(cudaMalloc(&pool, kPoolBytes));
-  const size_t pool_elems = kPoolBytes / 2;
+  const auto fp8 = kernels::KvDType::kFp8E4M3;
 
   std::vector<Config> configs = {
       {64, 16, 4096, DType::kBF16},   {1, 64, 4096, DType::kBF16},    {64, 16, 1024, DType::kBF16},
@@ -229,6 +241,12 @@ int Main(int argc, char** argv) {
       {64, 16, 4096, DType::kFP16},   {1, 16, 65536, DType::kFP16},   {64, 128, 4096, DType::kFP16},
       // Multi-token prediction: 2 query tokens, causal.
       {64, 128, 4096, DType::kBF16, 2, true}, {32, 16, 8192, DType::kBF16, 2, true},
+      // FP8 KV cache (kernels/kv_fp8.h), beside the bf16 rows above.
+      {64, 16, 4096, DType::kBF16, 1, false, fp8},   {1, 16, 65536, DType::kBF16, 1, false, fp8},
+      {1, 64, 4096, DType::kBF16, 1, false, fp8},    {16, 16, 4096, DType::kBF16, 1, false, fp8},
+      {64, 128, 4096, DType::kBF16, 1, false, fp8},  {128, 128, 2048, DType::kBF16, 1, false, fp8},
+      {32, 64, 8192, DType::kBF16, 1, false, fp8},   {64, 16, 4096, DType::kFP16, 1, false, fp8},
+      {64, 128, 4096, DType::kBF16, 2, true, fp8},
   };
   size_t ws_bytes = 0;
   for (const auto& c : configs)
@@ -252,18 +270,25 @@ int Main(int argc, char** argv) {
   std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s\n\n", runs,
               g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "");
   std::printf(
-      "| dtype | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
+      "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& c : configs) {
     if (!only.empty()) {
       char buf[64];
       std::snprintf(buf, sizeof buf, "%d,%d,%d", c.b, c.h_q, c.s_k);
       if (only != buf) continue;
     }
-    CHECK_CUDA(LaunchRandomFill(pool, pool_elems, c.s_k * 31 + c.b, c.dtype == DType::kBF16, stream));
-    const Result r = RunConfig(dev, c, runs, pool, pool_elems, ws, ws_bytes, stream);
-    const double kv_bytes = double(c.b) * c.s_k * kernels::kHeadDimQK * 2;
+    if (!kv_filter.empty() && (kv_filter == "fp8_e4m3") != IsFp8(c)) continue;
+    if (IsFp8(c)) {
+      CHECK_CUDA(LaunchFp8RowFill(pool, kPoolBytes / kernels::kFp8RowBytes, c.s_k * 31 + c.b,
+                                  c.dtype == DType::kBF16, stream));
+    } else {
+      CHECK_CUDA(LaunchRandomFill(static_cast<uint16_t*>(pool), kPoolBytes / 2, c.s_k * 31 + c.b,
+                                  c.dtype == DType::kBF16, stream));
+    }
+    const Result r = RunConfig(dev, c, runs, pool, kPoolBytes, ws, ws_bytes, stream);
+    const double kv_bytes = double(c.b) * c.s_k * RowBytes(c);
     // Keys seen per query row, summed over the s_q rows (causal: row i sees s_k - s_q + i + 1).
     const double keys = c.causal ? double(c.s_q) * c.s_k - c.s_q * (c.s_q - 1) / 2.0 : double(c.s_q) * c.s_k;
     const double flops = 2.0 * c.b * c.h_q * keys * (kernels::kHeadDimQK + kernels::kHeadDimV);
@@ -272,8 +297,9 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < ntiles[d]; ++i)
       if (tiles[d][i].tile_rows == r.plan.tile_rows) a100 = tiles[d][i].ctas_per_sm_a100;
     auto gbs = [&](double ms) { return kv_bytes / (ms * 1e-3) / 1e9; };
-    std::printf("| %s | %d | %d | %d%s | %d | %d x %d | %d x %d | %d (%d) | %.4f | %.0f | %.1f | %.1f | %.4f | %.0f | %.1f | %.1f |\n",
-                c.dtype == DType::kBF16 ? "bf16" : "fp16", c.b, c.h_q, c.s_q, c.causal ? " causal" : "", c.s_k,
+    std::printf("| %s | %s | %d | %d | %d%s | %d | %d x %d | %d x %d | %d (%d) | %.4f | %.0f | %.1f | %.1f | %.4f | %.0f | %.1f | %.1f |\n",
+                c.dtype == DType::kBF16 ? "bf16" : "fp16", IsFp8(c) ? "fp8" : "16-bit", c.b, c.h_q, c.s_q,
+                c.causal ? " causal" : "", c.s_k,
                 r.plan.tile_rows, r.plan.row_tiles,
                 r.plan.num_splits, r.plan.keys_per_split, r.plan.ctas_per_sm, a100, r.whole_ms, gbs(r.whole_ms),
                 100 * gbs(r.whole_ms) / ceiling, flops / (r.whole_ms * 1e-3) / 1e12, r.kernel_ms, gbs(r.kernel_ms),

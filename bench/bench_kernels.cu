@@ -41,7 +41,44 @@ __global__ void FillKernel(uint16_t* data, size_t n, uint64_t seed, bool is_bf16
   }
 }
 
+// FP8 cache rows (kernels/kv_fp8.h): random e4m3 codes, scale 2^-7 for every block
+// (values up to +-3.5), random 16-bit rope values; one thread per 16-byte chunk.
+__global__ void Fp8FillKernel(uint4* rows, size_t n_chunks, uint64_t seed, bool is_bf16) {
+  constexpr int kChunks = 41;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_chunks; i += size_t(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(i % kChunks);
+    uint32_t w[4];
+    for (int j = 0; j < 4; ++j) {
+      const uint64_t r = Mix(seed + i * 4 + j);
+      if (c < 32) {
+        w[j] = static_cast<uint32_t>(r) & 0xf7f7f7f7u;  // no e4m3 NaN codes
+      } else if (c == 32) {
+        w[j] = 0x3c000000u;  // 2^-7
+      } else {
+        uint16_t h[2];
+        for (int k = 0; k < 2; ++k) {
+          const float u = float((r >> (20 * k)) & 0xfffff) * (4.0f / 1048576.0f) - 2.0f;
+          if (is_bf16) {
+            __nv_bfloat16 b = __float2bfloat16(u);
+            h[k] = *reinterpret_cast<uint16_t*>(&b);
+          } else {
+            __half b = __float2half(u);
+            h[k] = *reinterpret_cast<uint16_t*>(&b);
+          }
+        }
+        w[j] = h[0] | (uint32_t(h[1]) << 16);
+      }
+    }
+    rows[i] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 }  // namespace
+
+int LaunchFp8RowFill(void* rows, size_t n_rows, uint64_t seed, bool is_bf16, cudaStream_t stream) {
+  Fp8FillKernel<<<4096, 256, 0, stream>>>(static_cast<uint4*>(rows), n_rows * 41, seed, is_bf16);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int LaunchReadKernel(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
   int dev = 0, sms = 0;

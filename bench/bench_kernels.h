@@ -16,4 +16,8 @@ int LaunchReadKernel(const void* data, size_t bytes, uint32_t* sink, cudaStream_
 // Fills n 16-bit values with random bf16 (is_bf16) or fp16 numbers in [-2, 2).
 int LaunchRandomFill(uint16_t* data, size_t n, uint64_t seed, bool is_bf16, cudaStream_t stream);
 
+// Fills n_rows rows of the FP8 cache format (656 bytes each) with random codes, a valid
+// power-of-two scale per block and random 16-bit rope values.
+int LaunchFp8RowFill(void* rows, size_t n_rows, uint64_t seed, bool is_bf16, cudaStream_t stream);
+
 }  // namespace latentd::bench

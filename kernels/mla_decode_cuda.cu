@@ -38,7 +38,10 @@ struct TileKernels {
   static cudaError_t Prepare(DType dtype) {
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
   }
-  static cudaError_t Launch(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
+  static cudaError_t Launch(DType dtype, KvDType kv_dtype, const DecodeArgs& args, cudaStream_t stream) {
+    if (kv_dtype == KvDType::kFp8E4M3)
+      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, KvDType::kFp8E4M3>::Launch(args, stream)
+                                   : Decoder<DType::kFP16, kRows, KvDType::kFp8E4M3>::Launch(args, stream);
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Launch(args, stream)
                                  : Decoder<DType::kFP16, kRows>::Launch(args, stream);
   }
@@ -373,16 +376,18 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
   if (!s.ok()) return s;
   const DecodeArgs args = MakeArgs(p, plan, workspace);
   if (!KnownDType(p.dtype)) return {Code::kUnsupported, "dtype: no kernel"};
+  if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
+    return {Code::kUnsupported, "kv_dtype: no kernel"};
   cudaError_t e = cudaErrorInvalidValue;
   switch (plan.tile_rows) {
     case 16:
-      e = TileKernels<16>::Launch(p.dtype, args, stream);
+      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, args, stream);
       break;
     case 32:
-      e = TileKernels<32>::Launch(p.dtype, args, stream);
+      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, args, stream);
       break;
     case 64:
-      e = TileKernels<64>::Launch(p.dtype, args, stream);
+      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, args, stream);
       break;
     default:
       return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +

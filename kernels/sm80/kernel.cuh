@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
+#include "kernels/kv_fp8.h"
 #include "kernels/params.h"
 #include "kernels/sm80/config.h"
 #include "kernels/sm80/launch.h"
@@ -84,6 +86,57 @@ __device__ __forceinline__ uint32_t PackLowBf16(float lo, float hi, uint32_t pac
   const float2 f = __bfloat1622float2(h);
   __nv_bfloat162 v = __floats2bfloat162_rn(lo - f.x, hi - f.y);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// FP8 cache (kernels/kv_fp8.h): two e4m3 codes in bits 8-15 and 24-31 of y become two
+// 16-bit values by moving their bits into place: x * 2^-120 as bf16, x * 2^-8 as fp16
+// (subnormal codes included), exactly. One fma by 2^(e+120) (2^(e+8)) then applies the
+// block scale 2^e, also exactly. So the kernel computes with the same 16-bit values the
+// CPU implementation dequantizes to (DequantizeKvRowFp8).
+template <DType kDType>
+__device__ __forceinline__ uint32_t E4m3PairBits(uint32_t y) {
+  if constexpr (kDType == DType::kBF16) {
+    return (y & 0x80008000u) | ((y >> 4) & 0x07f007f0u);
+  } else {
+    return (y & 0x80008000u) | ((y >> 1) & 0x3f803f80u);
+  }
+}
+// The block scale's multiplier as a pair of 16-bit values, from the float32 scale's bits.
+template <DType kDType>
+__device__ __forceinline__ uint32_t Fp8ScalePair(uint32_t scale_bits) {
+  // Stored scales are 2^e with e in [Fp8MinExponent, 7]; the clamp only keeps rows no
+  // sequence owns (zero-filled past the end) finite.
+  const int e_biased = static_cast<int>((scale_bits >> 23) & 0xffu);  // e + 127
+  uint32_t h;
+  if constexpr (kDType == DType::kBF16) {
+    h = static_cast<uint32_t>(min(max(e_biased, 127 - 119), 127 + kFp8MaxExponent) + 120) << 7;
+  } else {
+    h = static_cast<uint32_t>(min(max(e_biased, 127 - 22), 127 + kFp8MaxExponent) - 104) << 10;
+  }
+  return h | (h << 16);
+}
+template <DType kDType>
+__device__ __forceinline__ uint32_t Fma2NegZero(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (kDType == DType::kBF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  }
+  return r;
+}
+// 16 e4m3 codes (one 16-byte chunk, one block) -> 16 values in two 16-byte chunks.
+template <DType kDType>
+__device__ __forceinline__ void DequantChunk(const uint4& raw, uint32_t scale_pair, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(w[i], 0u, 0x1404)), scale_pair);
+    o[2 * i + 1] = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(w[i], 0u, 0x3424)), scale_pair);
+  }
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 // Element offset of (row, 16-byte chunk) in a [rows][576] swizzled tile. A row is 72
@@ -227,7 +280,12 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // Warps come in groups of 4 (Cfg::kGroups of them): a group owns kRows / kGroups rows
 // of the tile, and its warp gw takes dims 144 gw .. 144 gw + 143 of QK^T and output
 // columns 128 gw .. 128 gw + 127 of PV. The groups share the KV stages.
-template <DType kDType, int kRows>
+//
+// With an FP8 cache (kKv == kFp8E4M3) the same stages first receive a tile's raw rows
+// (656 bytes each, packed at the stage's end); after the copy lands, the CTA dequantizes
+// them in place, through registers, into the swizzled 16-bit layout the mma loops read.
+// Each value is dequantized once per CTA, and shared memory stays as for a 16-bit cache.
+template <DType kDType, int kRows, KvDType kKv>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
@@ -246,6 +304,17 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
   static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
   static_assert((kN * (kHeadDimQK / 8)) % kCta == 0, "KV tile copy must divide evenly");
+  constexpr bool kFp8 = kKv == KvDType::kFp8E4M3;
+  constexpr int kRawChunks = kFp8RowBytes / 16;               // 41 per row
+  constexpr int kDequantItems = kN * (kHeadDimV / 16 + 8);    // 32 latent + 8 rope chunks per row
+  static_assert(!kFp8 || kDequantItems % kCta == 0, "dequantization must divide evenly");
+  // Raw rows at the end of their stage. Key k's values (bytes [1152 k, 1152 k + 1152))
+  // overlap no raw row of a key >= k while k <= kN - 3, which the first dequantization
+  // pass (the first half of the keys) relies on.
+  constexpr int kRawOffset = kN * (kHeadDimQK * 2 - kFp8RowBytes);
+  static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
+  static_assert(!kFp8 || (kDequantItems / kCta + 1) / 2 * kCta / (kHeadDimV / 16 + 8) <= kN - 3,
+                "first pass keys clear of the second pass's raw rows");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
@@ -283,15 +352,30 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads.
   auto load_tile = [&](int t, int s, int page) {
     const int key0 = key_begin + t * kN;
-    const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
-    const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
+    if constexpr (kFp8) {
+      const auto* kv8 = static_cast<const uint8_t*>(p.kv);
+      const uint8_t* base8 = kv8 + int64_t(page) * p.kv_page_stride + kv_head_off;
+      const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
 #pragma unroll
-    for (int i = 0; i < kN * (kHeadDimQK / 8) / kCta; ++i) {
-      const int id = tid + i * kCta;
-      const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
-      const bool valid = key0 + key < cta_end;
-      const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
-      CpAsync16(dst0 + Swizzle(key, chunk) * 2, valid ? src : kv, valid);
+      for (int i = 0; i < (kN * kRawChunks + kCta - 1) / kCta; ++i) {
+        const int id = tid + i * kCta;
+        if (id >= kN * kRawChunks) break;
+        const int key = id / kRawChunks, chunk = id % kRawChunks;
+        const bool valid = key0 + key < cta_end;
+        const uint8_t* src = base8 + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 16;
+        CpAsync16(dst0 + kRawOffset + key * kFp8RowBytes + chunk * 16, valid ? src : kv8, valid);
+      }
+    } else {
+      const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
+      const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
+#pragma unroll
+      for (int i = 0; i < kN * (kHeadDimQK / 8) / kCta; ++i) {
+        const int id = tid + i * kCta;
+        const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+        const bool valid = key0 + key < cta_end;
+        const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
+        CpAsync16(dst0 + Swizzle(key, chunk) * 2, valid ? src : kv, valid);
+      }
     }
   };
 
@@ -385,6 +469,46 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     if (t + kStages < num_tiles) next_page = page_of(t + kStages);
     const int stage = t % kStages;
     const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
+    if constexpr (kFp8) {
+      // Raw rows -> registers, sync, dequantized values -> the same stage; in two passes
+      // over the tile's keys, to halve the registers it takes. The raw rows sit at the
+      // stage's end (kRawOffset), so the first pass's values (the first half of the
+      // keys, at the stage's start) never land on the second pass's raw rows.
+      constexpr int kPer = kDequantItems / kCta, kItemsPerRow = kHeadDimV / 16 + 8;
+      constexpr int kPassA = (kPer + 1) / 2;
+      const uint8_t* raw_rows = reinterpret_cast<const uint8_t*>(&sm.kv[stage][0][0]) + kRawOffset;
+      uint16_t* tile_elems = &sm.kv[stage][0][0];
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        constexpr int kMaxN = kPer - kPer / 2;
+        uint4 raw[kMaxN];
+        uint32_t scale_bits[kMaxN];
+        const int first = pass == 0 ? 0 : kPassA, n = pass == 0 ? kPassA : kPer - kPassA;
+#pragma unroll
+        for (int i = 0; i < kMaxN; ++i) {
+          if (i >= n) break;
+          const int id = tid + (first + i) * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
+          const uint8_t* row = raw_rows + key * kFp8RowBytes;
+          raw[i] = *reinterpret_cast<const uint4*>(row + (c < 32 ? c * 16 : kFp8RopeOffset + (c - 32) * 16));
+          scale_bits[i] = c < 32 ? *reinterpret_cast<const uint32_t*>(row + kFp8ScaleOffset + (c / 8) * 4) : 0u;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < kMaxN; ++i) {
+          if (i >= n) break;
+          const int id = tid + (first + i) * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
+          if (c < 32) {
+            uint4 lo, hi;
+            DequantChunk<kDType>(raw[i], Fp8ScalePair<kDType>(scale_bits[i]), lo, hi);
+            *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c)) = lo;
+            *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c + 1)) = hi;
+          } else {
+            *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c - 32)) = raw[i];
+          }
+        }
+      }
+      __syncthreads();
+    }
 
     // S partial = Q[:, my dims] K[:, my dims]^T.
     float s[kMT][kNT][4];
@@ -598,18 +722,18 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
 }
 
 // Host side of one instantiation.
-template <DType kDType, int kRows>
-const void* Decoder<kDType, kRows>::Kernel() {
-  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows>);
+template <DType kDType, int kRows, KvDType kKv>
+const void* Decoder<kDType, kRows, kKv>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv>);
 }
 
-template <DType kDType, int kRows>
-int Decoder<kDType, kRows>::SmemBytes() {
+template <DType kDType, int kRows, KvDType kKv>
+int Decoder<kDType, kRows, kKv>::SmemBytes() {
   return static_cast<int>(sizeof(SharedMemoryPlan<kRows>));
 }
 
-template <DType kDType, int kRows>
-cudaError_t Decoder<kDType, kRows>::Prepare() {
+template <DType kDType, int kRows, KvDType kKv>
+cudaError_t Decoder<kDType, kRows, kKv>::Prepare() {
   // One bit per device: the attribute is per device and costs a driver call.
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -617,18 +741,18 @@ cudaError_t Decoder<kDType, kRows>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
 
-template <DType kDType, int kRows>
-cudaError_t Decoder<kDType, kRows>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+template <DType kDType, int kRows, KvDType kKv>
+cudaError_t Decoder<kDType, kRows, kKv>::Launch(const DecodeArgs& args, cudaStream_t stream) {
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows, kKv><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -22,9 +22,9 @@ struct DecodeArgs {
   unsigned int* counters = nullptr;
 };
 
-// Kernel handle of one (dtype, tile) instantiation: explicit instantiations live in
-// kernels/sm80/decode_<dtype>_m<rows>.cu.
-template <DType kDType, int kRows>
+// Kernel handle of one (dtype, tile, KV cache dtype) instantiation: explicit
+// instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv].cu.
+template <DType kDType, int kRows, KvDType kKv = KvDType::kModel>
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();
