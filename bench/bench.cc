@@ -2,7 +2,7 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,6 +62,7 @@ bool IsFp8(const Config& c) { return c.kv == kernels::KvDType::kFp8E4M3; }
 int RowBytes(const Config& c) { return IsFp8(c) ? kernels::kFp8RowBytes : kernels::kHeadDimQK * 2; }
 
 int g_tile = 0;  // --tile: force the planner's tile (0: its choice)
+bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 
 constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
 
@@ -136,6 +137,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   Result r{};
   r.copies = copies;
   CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
+  r.plan.fp8_ring = g_fp8_ring;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
     std::exit(1);
@@ -159,6 +161,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
     const double w = time_one([&] {
       DecodePlan plan;
       CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
+      plan.fp8_ring = g_fp8_ring;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
     // The decode kernel alone, on the plan made beforehand, over the next copy of the
@@ -190,6 +193,7 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
+    if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
   }
   if (!kv_filter.empty() && kv_filter != "model" && kv_filter != "fp8_e4m3") {
     std::fprintf(stderr, "--kv_dtype: expected model or fp8_e4m3, got %s\n", kv_filter.c_str());
@@ -267,8 +271,9 @@ int Main(int argc, char** argv) {
       std::printf("%s tile %2d rows: %3d regs, %6d B smem, %d CTAs/SM here, %d on A100\n", d ? "fp16" : "bf16",
                   tiles[d][i].tile_rows, tiles[d][i].regs_per_thread, tiles[d][i].smem_bytes,
                   tiles[d][i].ctas_per_sm, tiles[d][i].ctas_per_sm_a100);
-  std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s\n\n", runs,
-              g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "");
+  std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s%s\n\n", runs,
+              g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "",
+              g_fp8_ring ? "; fp8 rows: raw-row ring" : "; fp8 rows: dequantized in place");
   std::printf(
       "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");

@@ -38,10 +38,14 @@ struct TileKernels {
   static cudaError_t Prepare(DType dtype) {
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
   }
-  static cudaError_t Launch(DType dtype, KvDType kv_dtype, const DecodeArgs& args, cudaStream_t stream) {
-    if (kv_dtype == KvDType::kFp8E4M3)
-      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, KvDType::kFp8E4M3>::Launch(args, stream)
-                                   : Decoder<DType::kFP16, kRows, KvDType::kFp8E4M3>::Launch(args, stream);
+  static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, const DecodeArgs& args, cudaStream_t stream) {
+    constexpr KvDType kFp8 = KvDType::kFp8E4M3;
+    if (kv_dtype == kFp8 && ring)
+      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8, true>::Launch(args, stream)
+                                   : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
+    if (kv_dtype == kFp8)
+      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
+                                   : Decoder<DType::kFP16, kRows, kFp8>::Launch(args, stream);
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Launch(args, stream)
                                  : Decoder<DType::kFP16, kRows>::Launch(args, stream);
   }
@@ -381,13 +385,13 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
   cudaError_t e = cudaErrorInvalidValue;
   switch (plan.tile_rows) {
     case 16:
-      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, args, stream);
+      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
       break;
     case 32:
-      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, args, stream);
+      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
       break;
     case 64:
-      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, args, stream);
+      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
       break;
     default:
       return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +

@@ -36,6 +36,11 @@ struct DecodePlan {
   int keys_per_split = 0;   // keys per partition, a multiple of 32
   int threads = 0;          // threads per CTA
   int smem_bytes = 0;       // dynamic shared memory per CTA
+  // FP8 cache: false (PlanDecode's choice) dequantizes each tile in place in its stage;
+  // true runs the raw-row ring variant (more shared memory, more bytes in flight),
+  // selectable for benchmarks and tests until it is measured (docs/kernel-tuning.md,
+  // round 8). Ignored for 16-bit caches.
+  bool fp8_ring = false;
 };
 
 // Chooses the tile configuration and cuts sequences into split-K partitions from the

@@ -72,6 +72,9 @@ Gpu& TheGpu() {
   return *g;
 }
 
+// FP8 cache pipeline the GPU runs use (DecodePlan::fp8_ring); tests that sweep both set it.
+bool g_fp8_ring = false;
+
 // Runs one problem on the GPU. force_kps > 0 overrides the planner's split size.
 // fresh_workspace: poison the workspace and initialise it again; otherwise run on what
 // the previous calls left in it (it must already be large enough).
@@ -99,6 +102,7 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   DecodePlan plan;
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan);
   ASSERT_TRUE(s.ok()) << s.message;
+  plan.fp8_ring = g_fp8_ring;
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
   if (force_kps > 0) {
@@ -242,8 +246,8 @@ TEST(GpuDecode, ComputeTileSweep) {
 // The FP8 cache on every tile (16, 32, 64 rows per KV head) and split configuration:
 // the GPU against the CPU implementation, which dequantizes the same bytes to the same
 // 16-bit values. Random and heavy-tailed data; unowned rows are 0xff (NaN scales).
-TEST(GpuDecode, SweepFp8Cache) {
-  SKIP_WITHOUT_GPU();
+void Fp8Sweep(bool ring) {
+  g_fp8_ring = ring;
   std::mt19937_64 rng(23);
   const int heads[][2] = {{16, 1}, {32, 1}, {64, 1}, {128, 1}, {16, 2}, {128, 2}};
   int n = 0, failed = 0;
@@ -280,8 +284,20 @@ TEST(GpuDecode, SweepFp8Cache) {
     ++n;
     if (!Check(s, rng)) ++failed;
   }
-  std::printf("fp8 cache sweep: %d problems, %d failed\n", n, failed);
+  std::printf("fp8 cache sweep (%s): %d problems, %d failed\n", ring ? "raw-row ring" : "in place", n, failed);
   EXPECT_EQ(failed, 0);
+  g_fp8_ring = false;
+}
+
+TEST(GpuDecode, SweepFp8Cache) {
+  SKIP_WITHOUT_GPU();
+  Fp8Sweep(false);
+}
+
+// The same over the raw-row ring variant (DecodePlan::fp8_ring).
+TEST(GpuDecode, SweepFp8CacheRing) {
+  SKIP_WITHOUT_GPU();
+  Fp8Sweep(true);
 }
 
 // A small representative subset (both tiles, splits, causal, empty sequences), sized for
@@ -302,8 +318,12 @@ TEST(GpuDecode, Subset) {
       Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
       Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
       s.kv_dtype = KvDType::kFp8E4M3;
-      Check(s, rng);
-      Check(s, rng, 64);
+      for (bool ring : {false, true}) {
+        g_fp8_ring = ring;
+        Check(s, rng);
+        Check(s, rng, 64);
+      }
+      g_fp8_ring = false;
     }
 }
 

@@ -37,6 +37,7 @@ struct TileConfig<16> {
   static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
   static constexpr int kMinCtasPerSm = 2;
+  static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
 };
 
 // Many rows (> 16): compute-heavy. 32 rows, because the fp32 output accumulator of a
@@ -53,6 +54,7 @@ struct TileConfig<32> {
   static constexpr int kQRegSteps = 0;
   static constexpr int kExchangePasses = 1;
   static constexpr int kMinCtasPerSm = 2;
+  static constexpr int kFp8Stages = 4;
 };
 
 // 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
@@ -75,6 +77,7 @@ struct TileConfig<64> {
   static constexpr int kQRegSteps = 0;
   static constexpr int kExchangePasses = 2;
   static constexpr int kMinCtasPerSm = 1;
+  static constexpr int kFp8Stages = 4;
 };
 
 // Threads per CTA of a tile configuration.

@@ -249,9 +249,8 @@ __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int k
 // thread 0 counts the CTA in; atomicInc wraps the counter back to 0 at the last arrival,
 // so it is zero again for the next launch without a memset. Every index is recomputed
 // from blockIdx and args so that nothing stays live across the main loop for this.
-template <DType kDType, int kRows>
+template <DType kDType, int kRows, typename Plan>
 __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t* smem_raw) {
-  using Plan = SharedMemoryPlan<kRows>;
   Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
   const MlaDecodeParams& p = args.p;
   const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv;
@@ -285,15 +284,21 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // (656 bytes each, packed at the stage's end); after the copy lands, the CTA dequantizes
 // them in place, through registers, into the swizzled 16-bit layout the mma loops read.
 // Each value is dequantized once per CTA, and shared memory stays as for a 16-bit cache.
-template <DType kDType, int kRows, KvDType kKv>
+//
+// kRing (FP8 only, chosen by DecodePlan::fp8_ring): the raw rows stream instead through
+// a ring of Cfg::kFp8Stages stages of their own (Fp8SharedMemoryPlan), each landed tile
+// dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
+// tile, more shared memory (docs/kernel-tuning.md, round 8).
+template <DType kDType, int kRows, KvDType kKv, bool kRing>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
   using Cfg = TileConfig<kRows>;
-  using Plan = SharedMemoryPlan<kRows>;
+  constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
+  using Plan = std::conditional_t<kFp8Ring, Fp8SharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
-  constexpr int kStages = Cfg::kStages;
+  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : Cfg::kStages;  // copies in flight + 1
   constexpr int kGroupRows = kRows / Cfg::kGroups;
   constexpr int kMT = kGroupRows / 16;  // m16 tiles per warp (each warp covers its group's rows)
   constexpr int kNT = kN / 8;           // n8 score tiles per KV tile
@@ -315,6 +320,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
   static_assert(!kFp8 || (kDequantItems / kCta + 1) / 2 * kCta / (kHeadDimV / 16 + 8) <= kN - 3,
                 "first pass keys clear of the second pass's raw rows");
+  static_assert(!kRing || kFp8, "the raw-row ring is for the FP8 cache");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
@@ -355,7 +361,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     if constexpr (kFp8) {
       const auto* kv8 = static_cast<const uint8_t*>(p.kv);
       const uint8_t* base8 = kv8 + int64_t(page) * p.kv_page_stride + kv_head_off;
-      const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
+      uint32_t dst0;
+      if constexpr (kFp8Ring) {
+        dst0 = SmemAddr(&sm.raw[s][0][0]);
+      } else {
+        dst0 = SmemAddr(&sm.kv[s][0][0]) + kRawOffset;
+      }
 #pragma unroll
       for (int i = 0; i < (kN * kRawChunks + kCta - 1) / kCta; ++i) {
         const int id = tid + i * kCta;
@@ -363,7 +374,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         const int key = id / kRawChunks, chunk = id % kRawChunks;
         const bool valid = key0 + key < cta_end;
         const uint8_t* src = base8 + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 16;
-        CpAsync16(dst0 + kRawOffset + key * kFp8RowBytes + chunk * 16, valid ? src : kv8, valid);
+        CpAsync16(dst0 + key * kFp8RowBytes + chunk * 16, valid ? src : kv8, valid);
       }
     } else {
       const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
@@ -468,8 +479,31 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     CpAsyncCommit();
     if (t + kStages < num_tiles) next_page = page_of(t + kStages);
     const int stage = t % kStages;
-    const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
-    if constexpr (kFp8) {
+    const uint32_t kv_base = SmemAddr(&sm.kv[kFp8Ring ? 0 : stage][0][0]);
+    if constexpr (kFp8Ring) {
+      // Dequantize raw stage `stage` into the 16-bit tile: every warp is past the tile
+      // before (the sync above), and the tile is complete for all after the sync below.
+      constexpr int kItemsPerRow = kHeadDimV / 16 + 8;
+      const uint8_t* raw_rows = &sm.raw[stage][0][0];
+      uint16_t* tile_elems = &sm.kv[0][0][0];
+#pragma unroll 1
+      for (int i = 0; i < kDequantItems / kCta; ++i) {
+        const int id = tid + i * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
+        const uint8_t* row = raw_rows + key * kFp8RowBytes;
+        if (c < 32) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
+          const uint32_t scale_bits = *reinterpret_cast<const uint32_t*>(row + kFp8ScaleOffset + (c / 8) * 4);
+          uint4 lo, hi;
+          DequantChunk<kDType>(raw, Fp8ScalePair<kDType>(scale_bits), lo, hi);
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c)) = lo;
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c + 1)) = hi;
+        } else {
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c - 32)) =
+              *reinterpret_cast<const uint4*>(row + kFp8RopeOffset + (c - 32) * 16);
+        }
+      }
+      __syncthreads();
+    } else if constexpr (kFp8) {
       // Raw rows -> registers, sync, dequantized values -> the same stage; in two passes
       // over the tile's keys, to halve the registers it takes. The raw rows sit at the
       // stage's end (kRawOffset), so the first pass's values (the first half of the
@@ -718,22 +752,23 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       }
     }
 
-  if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows>(args, smem_raw);
+  if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
 }
 
 // Host side of one instantiation.
-template <DType kDType, int kRows, KvDType kKv>
-const void* Decoder<kDType, kRows, kKv>::Kernel() {
-  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv>);
+template <DType kDType, int kRows, KvDType kKv, bool kRing>
+const void* Decoder<kDType, kRows, kKv, kRing>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing>);
 }
 
-template <DType kDType, int kRows, KvDType kKv>
-int Decoder<kDType, kRows, kKv>::SmemBytes() {
+template <DType kDType, int kRows, KvDType kKv, bool kRing>
+int Decoder<kDType, kRows, kKv, kRing>::SmemBytes() {
+  if constexpr (kRing) return static_cast<int>(sizeof(Fp8SharedMemoryPlan<kRows>));
   return static_cast<int>(sizeof(SharedMemoryPlan<kRows>));
 }
 
-template <DType kDType, int kRows, KvDType kKv>
-cudaError_t Decoder<kDType, kRows, kKv>::Prepare() {
+template <DType kDType, int kRows, KvDType kKv, bool kRing>
+cudaError_t Decoder<kDType, kRows, kKv, kRing>::Prepare() {
   // One bit per device: the attribute is per device and costs a driver call.
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -741,18 +776,18 @@ cudaError_t Decoder<kDType, kRows, kKv>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
 
-template <DType kDType, int kRows, KvDType kKv>
-cudaError_t Decoder<kDType, kRows, kKv>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+template <DType kDType, int kRows, KvDType kKv, bool kRing>
+cudaError_t Decoder<kDType, kRows, kKv, kRing>::Launch(const DecodeArgs& args, cudaStream_t stream) {
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows, kKv><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows, kKv, kRing><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

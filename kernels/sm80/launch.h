@@ -22,9 +22,10 @@ struct DecodeArgs {
   unsigned int* counters = nullptr;
 };
 
-// Kernel handle of one (dtype, tile, KV cache dtype) instantiation: explicit
-// instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv].cu.
-template <DType kDType, int kRows, KvDType kKv = KvDType::kModel>
+// Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline) instantiation:
+// explicit instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv].cu.
+// kRing: the FP8 cache's raw-row ring (DecodePlan::fp8_ring).
+template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false>
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();

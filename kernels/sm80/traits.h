@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_fp8.h"
 #include "kernels/params.h"
 #include "kernels/sm80/config.h"
 
@@ -33,10 +34,31 @@ struct SharedMemoryPlan<kRows, false> {
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
+// FP8 cache (kernels/kv_fp8.h): raw 656-byte rows stream through a ring of kFp8Stages
+// stages; each lands tile is dequantized once into the one 16-bit tile the mma loops
+// read. Rows are half the bytes, so the ring keeps more tiles (and more bytes) in
+// flight than the 16-bit pipeline in less memory per tile.
+template <int kRows>
+struct Fp8SharedMemoryPlan {
+  using Cfg = TileConfig<kRows>;
+  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;  // as SharedMemoryPlan
+  uint16_t kv[1][Cfg::kKeys][kHeadDimQK];                   // the dequantized tile, swizzled
+  uint8_t raw[Cfg::kFp8Stages][Cfg::kKeys][kFp8RowBytes];   // raw rows, packed
+  uint16_t q[Cfg::kQInRegisters ? 1 : kRows][Cfg::kQInRegisters ? 8 : kQChunks * 8];
+  float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
+};
+
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles, and the 64-row tile must fit A100's 163 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
 static_assert(sizeof(SharedMemoryPlan<64>) <= 227 * 1024, "64-row tile: within SM90's 227 KB per CTA (SM90 only, kernels/BUILD.bazel)");
+// FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
+// per CTA); one on A100, whose 164 KB hold one (docs/fp8-kv-cache.md).
+static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
+static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
+static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
+static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
+static_assert(sizeof(Fp8SharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row tile: within SM90's 227 KB per CTA");
 
 }  // namespace latentd::kernels::sm80
