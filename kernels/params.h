@@ -49,7 +49,6 @@ struct Status {
 // host pointers for the CPU path.
 struct MlaDecodeParams {
   DType dtype = DType::kBF16;
-  KvDType kv_dtype = KvDType::kModel;
   int batch = 0;              // b
   int s_q = 1;                // query tokens per sequence
   int h_q = 0;                // query heads
@@ -75,6 +74,8 @@ struct MlaDecodeParams {
 
   float* lse = nullptr;  // [b, h_q, s_q], natural log; -inf where a row sees no keys
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  KvDType kv_dtype = KvDType::kModel;  // how kv stores rows (kernels/kv_fp8.h for fp8)
 };
 
 // Fills every stride for densely packed tensors in the layouts above.

@@ -318,8 +318,11 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // pass (the first half of the keys) relies on.
   constexpr int kRawOffset = kN * (kHeadDimQK * 2 - kFp8RowBytes);
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
-  static_assert(!kFp8 || (kDequantItems / kCta + 1) / 2 * kCta / (kHeadDimV / 16 + 8) <= kN - 3,
-                "first pass keys clear of the second pass's raw rows");
+  // Items per thread per in-place pass: half of them, two passes (as measured in round 8).
+  constexpr int kFp8InPlacePassItems = (kDequantItems / kCta + 1) / 2;
+  static_assert(!kFp8 || (kDequantItems / kCta - 1) / kFp8InPlacePassItems * kFp8InPlacePassItems * kCta /
+                                 (kHeadDimV / 16 + 8) <= kN - 3,
+                "every pass but the last clear of later passes' raw rows");
   static_assert(!kRing || kFp8, "the raw-row ring is for the FP8 cache");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -504,23 +507,21 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       }
       __syncthreads();
     } else if constexpr (kFp8) {
-      // Raw rows -> registers, sync, dequantized values -> the same stage; in two passes
-      // over the tile's keys, to halve the registers it takes. The raw rows sit at the
-      // stage's end (kRawOffset), so the first pass's values (the first half of the
-      // keys, at the stage's start) never land on the second pass's raw rows.
+      // Raw rows -> registers, sync, dequantized values -> the same stage; in passes of
+      // kPassItems items per thread, to bound the registers it takes. The raw rows sit at
+      // the stage's end (kRawOffset), so a pass's values never land on a later pass's
+      // raw rows (static_assert above).
       constexpr int kPer = kDequantItems / kCta, kItemsPerRow = kHeadDimV / 16 + 8;
-      constexpr int kPassA = (kPer + 1) / 2;
+      constexpr int kPassItems = kFp8InPlacePassItems;
       const uint8_t* raw_rows = reinterpret_cast<const uint8_t*>(&sm.kv[stage][0][0]) + kRawOffset;
       uint16_t* tile_elems = &sm.kv[stage][0][0];
+#pragma unroll 1
+      for (int first = 0; first < kPer; first += kPassItems) {
+        uint4 raw[kPassItems];
+        uint32_t scale_bits[kPassItems];
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        constexpr int kMaxN = kPer - kPer / 2;
-        uint4 raw[kMaxN];
-        uint32_t scale_bits[kMaxN];
-        const int first = pass == 0 ? 0 : kPassA, n = pass == 0 ? kPassA : kPer - kPassA;
-#pragma unroll
-        for (int i = 0; i < kMaxN; ++i) {
-          if (i >= n) break;
+        for (int i = 0; i < kPassItems; ++i) {
+          if (first + i >= kPer) break;
           const int id = tid + (first + i) * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
           const uint8_t* row = raw_rows + key * kFp8RowBytes;
           raw[i] = *reinterpret_cast<const uint4*>(row + (c < 32 ? c * 16 : kFp8RopeOffset + (c - 32) * 16));
@@ -528,8 +529,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         }
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < kMaxN; ++i) {
-          if (i >= n) break;
+        for (int i = 0; i < kPassItems; ++i) {
+          if (first + i >= kPer) break;
           const int id = tid + (first + i) * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
           if (c < 32) {
             uint4 lo, hi;
