@@ -74,6 +74,8 @@ class PythonClientTest(unittest.TestCase):
 
     def check(self, out, q, rows, causal):
         info = self.client.info
+        if info.kv_dtype == "fp8_e4m3":  # the reference reads what the daemon stored
+            rows = latentd_client.fp8_kv_roundtrip(rows, info.dtype)
         ref_out, ref_lse = latentd_client.reference_decode(q, rows, info.softmax_scale, causal=causal)
         self.assertTrue(out.ok, out.message)
         self.assertTrue(close(out.out, ref_out, 2 / 128), f"max diff {np.abs(out.out - ref_out).max()}")
@@ -258,6 +260,42 @@ class AuthTest(unittest.TestCase):
                 np.testing.assert_allclose(out.out, 0.125, rtol=1e-2)
         finally:
             daemon.stop()
+
+
+class Fp8CachePythonClientTest(unittest.TestCase):
+    """A daemon with an FP8 KV cache: results against the reference over the rows as the
+    daemon stores them (latentd_client.fp8_kv_roundtrip)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon("--num_layers=2", "--num_heads_q=32", "--kv_dtype=fp8_e4m3")
+        cls.client = LatentdClient(cls.daemon.target)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.daemon.stop()
+
+    rand = PythonClientTest.rand
+    check = PythonClientTest.check
+    run_sequence = PythonClientTest.run_sequence
+
+    def test_info_reports_the_cache(self):
+        info = self.client.info
+        self.assertEqual(info.kv_dtype, "fp8_e4m3")
+        self.assertEqual(info.kv_bytes_per_token, 656 * info.num_layers * info.num_heads_kv)
+
+    def test_results_match_reference_over_stored_rows(self):
+        self.run_sequence(7, {0: 130, 1: 64}, [(0, 1, False), (1, 2, True), (0, 2, True)], fork_after=1)
+
+    def test_roundtrip_differs_from_the_rows_sent(self):
+        # A check that cannot pass by accident: the unquantized rows give other results.
+        rng = np.random.default_rng(3)
+        rows = self.rand(rng, 10, 1, 576)
+        stored = latentd_client.fp8_kv_roundtrip(rows, self.client.info.dtype)
+        self.assertFalse(np.array_equal(stored, rows))
+        np.testing.assert_array_equal(stored[..., 512:], rows[..., 512:])
+        self.assertLess(np.abs(stored - rows).max(), 0.07)
 
 
 if __name__ == "__main__":

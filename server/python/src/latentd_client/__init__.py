@@ -9,6 +9,7 @@ from .client import (  # noqa: F401
     to_wire,
     from_wire,
     reference_decode,
+    fp8_kv_roundtrip,
 )
 from .sharded import (  # noqa: F401
     ShardedClient,

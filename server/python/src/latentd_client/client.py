@@ -51,6 +51,31 @@ def from_wire(data, dtype, shape=None):
     return a.reshape(shape) if shape is not None else a
 
 
+def fp8_kv_roundtrip(kv, dtype):
+    """What a daemon started with --kv_dtype=fp8_e4m3 stores for 16-bit rows kv [..., 576]
+    (float values in the server dtype), as float32: the 512 latent values through e4m3
+    with one power-of-two scale per 128 (docs/fp8-kv-cache.md), the rope values as sent.
+    Pass rows through it before reference_decode when checking such a daemon."""
+    kv = np.asarray(kv, dtype=np.float32)
+    lat = kv[..., :HEAD_DIM_V].reshape(kv.shape[:-1] + (4, 128))
+    finite = np.isfinite(lat)
+    amax = np.max(np.where(finite, np.abs(lat), 0.0), axis=-1, keepdims=True).astype(np.float32)
+    m, k = np.frexp(amax)  # amax = m * 2^k, m in [0.5, 1)
+    e = np.where(m <= 0.875, k - 9, k - 8)  # smallest e with amax <= 448 * 2^e
+    lo = -119 if dtype != latentd_pb2.FP16 else -22
+    e = np.where(amax > 0, np.clip(e, lo, 7), 0).astype(np.int32)
+    y = np.abs(np.where(finite, lat, 0.0)) * np.ldexp(np.float32(1), -e).astype(np.float32)
+    y = np.where(np.isinf(lat), np.float32(448), y).astype(np.float32)
+    _, ky = np.frexp(y)
+    step = np.ldexp(np.float32(1), np.maximum(ky - 1, -6) - 3).astype(np.float32)  # 2^-9 below 2^-6
+    qv = np.minimum(np.rint(y / step) * step, np.float32(448))  # round to nearest even, saturate
+    deq = (np.copysign(qv, lat) * np.ldexp(np.float32(1), e)).astype(np.float32)
+    deq = np.where(np.isnan(lat), np.float32(0), deq)
+    out = kv.copy()
+    out[..., :HEAD_DIM_V] = from_wire(to_wire(deq, dtype), dtype).reshape(deq.shape[:-2] + (HEAD_DIM_V,))
+    return out
+
+
 def reference_decode(q, kv, softmax_scale, causal=False):
     """Naive float64 MLA decode for checking results.
 
