@@ -160,6 +160,49 @@ TEST(AuthTest, FailuresAreCountedAndLoggedAtMostOncePerSecond) {
       << log;
 }
 
+// The refusal lines name the peer, which shows what the clients cannot: two Clients of
+// one process get TCP connections of their own (ClientOptions::own_connection, the
+// default), and with own_connection false they share one (gRPC's global subchannel
+// pool). Both clients of a pair are alive while both calls are refused.
+TEST(AuthTest, ClientsOwnTheirConnections) {
+  const std::string token = "peer-token";
+  Daemon daemon({"--auth_token=" + token});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  client::ClientOptions good;
+  good.auth_token = token;
+  auto info_client = daemon.Connect(good);
+  ASSERT_TRUE(info_client.ok()) << info_client.status();
+  const v1::ServerInfo info = (*info_client)->info();
+
+  // Ports of the peers the refusal lines name, in order.
+  auto peer_ports = [&] {
+    std::vector<std::string> ports;
+    const std::string log = daemon.Log();
+    const std::regex line("auth: refused [^ ]+ from ipv4:127\\.0\\.0\\.1:([0-9]+)");
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it)
+      ports.push_back((*it)[1]);
+    return ports;
+  };
+  auto refused_pair = [&](bool own) {
+    client::ClientOptions bad;
+    bad.target = daemon.target();
+    bad.auth_token = "wrong";
+    bad.own_connection = own;
+    auto a = client::Client::Open(bad, info);
+    auto b = client::Client::Open(bad, info);
+    for (auto* c : {a.get(), b.get()}) {
+      EXPECT_EQ(c->CreateSequence().status().code(), StatusCode::kUnauthenticated);
+      absl::SleepFor(absl::Milliseconds(1100));  // one refusal line per second
+    }
+  };
+  refused_pair(true);
+  refused_pair(false);
+  const std::vector<std::string> ports = peer_ports();
+  ASSERT_EQ(ports.size(), 4u) << daemon.Log();
+  EXPECT_NE(ports[0], ports[1]) << "own_connection: the two clients shared a connection\n" << daemon.Log();
+  EXPECT_EQ(ports[2], ports[3]) << "own_connection false: expected one shared connection\n" << daemon.Log();
+}
+
 TEST(AuthTest, TokenFromTheEnvironment) {
   const std::string token = "env-token-42";
   setenv("LATENTD_AUTH_TOKEN", token.c_str(), 1);
