@@ -28,16 +28,20 @@ __device__ __forceinline__ uint64_t Mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// u as a bf16 or fp16 bit pattern.
+__device__ __forceinline__ uint16_t ToHalfBits(float u, bool is_bf16) {
+  if (is_bf16) {
+    __nv_bfloat16 h = __float2bfloat16(u);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+  __half h = __float2half(u);
+  return *reinterpret_cast<uint16_t*>(&h);
+}
+
 __global__ void FillKernel(uint16_t* data, size_t n, uint64_t seed, bool is_bf16) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float u = float(Mix(seed + i) >> 40) * (4.0f / 16777216.0f) - 2.0f;
-    if (is_bf16) {
-      __nv_bfloat16 h = __float2bfloat16(u);
-      data[i] = *reinterpret_cast<uint16_t*>(&h);
-    } else {
-      __half h = __float2half(u);
-      data[i] = *reinterpret_cast<uint16_t*>(&h);
-    }
+    data[i] = ToHalfBits(u, is_bf16);
   }
 }
 
@@ -56,16 +60,8 @@ __global__ void Fp8FillKernel(uint4* rows, size_t n_chunks, uint64_t seed, bool 
         w[j] = 0x3c000000u;  // 2^-7
       } else {
         uint16_t h[2];
-        for (int k = 0; k < 2; ++k) {
-          const float u = float((r >> (20 * k)) & 0xfffff) * (4.0f / 1048576.0f) - 2.0f;
-          if (is_bf16) {
-            __nv_bfloat16 b = __float2bfloat16(u);
-            h[k] = *reinterpret_cast<uint16_t*>(&b);
-          } else {
-            __half b = __float2half(u);
-            h[k] = *reinterpret_cast<uint16_t*>(&b);
-          }
-        }
+        for (int k = 0; k < 2; ++k)
+          h[k] = ToHalfBits(float((r >> (20 * k)) & 0xfffff) * (4.0f / 1048576.0f) - 2.0f, is_bf16);
         w[j] = h[0] | (uint32_t(h[1]) << 16);
       }
     }

@@ -59,6 +59,5 @@ static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 1
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
 static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
-static_assert(sizeof(Fp8SharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row tile: within SM90's 227 KB per CTA");
 
 }  // namespace latentd::kernels::sm80

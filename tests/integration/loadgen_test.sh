@@ -5,12 +5,20 @@ set -euo pipefail
 latentd=$1
 loadgen=$2
 dir=${TEST_TMPDIR:-$(mktemp -d)}
-"$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --listen=127.0.0.1:0 --port_file="$dir/port" \
-  > "$dir/latentd.log" 2>&1 &
-pid=$!
+pid=
 trap 'kill -9 $pid 2>/dev/null || true' EXIT
-for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
-[[ -s $dir/port ]] || { cat "$dir/latentd.log"; exit 1; }
+# start_daemon LOG [FLAGS...]: a CPU-backend daemon on a free port; sets pid.
+start_daemon() {
+  local log=$1
+  shift
+  rm -f "$dir/port"
+  "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 "$@" --listen=127.0.0.1:0 --port_file="$dir/port" \
+    > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+  [[ -s $dir/port ]] || { cat "$log"; exit 1; }
+}
+start_daemon "$dir/latentd.log"
 out=$("$loadgen" --target="127.0.0.1:$(cat "$dir/port")" --sequences=6 --streams=3 --prefix_len=200 \
   --layers=2 --s_q=2 --window=4 --duration_s=3 --check_fraction=0.5 --check_threads=1)
 echo "$out"
@@ -23,12 +31,7 @@ wait $pid
 
 # Against an fp8 KV cache: the header names it, and the checks (which dequantize what
 # the server stored) still find no mismatch.
-rm -f "$dir/port"
-"$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --kv_dtype=fp8_e4m3 --listen=127.0.0.1:0 \
-  --port_file="$dir/port" > "$dir/latentd_fp8.log" 2>&1 &
-pid=$!
-for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
-[[ -s $dir/port ]] || { cat "$dir/latentd_fp8.log"; exit 1; }
+start_daemon "$dir/latentd_fp8.log" --kv_dtype=fp8_e4m3
 out=$("$loadgen" --target="127.0.0.1:$(cat "$dir/port")" --sequences=4 --streams=2 --prefix_len=200 \
   --layers=2 --s_q=2 --window=4 --duration_s=2 --check_fraction=0.5 --check_threads=1)
 echo "$out"
