@@ -103,6 +103,13 @@ inline constexpr int kMaxFusedSplits = LATENTD_MAX_FUSED_SPLITS;
 // start of the workspace; plans with more of these streams use the combine kernel.
 inline constexpr int kMaxFusedStreams = 4096;
 
+// KV tiles ahead of the copies in flight whose rows the kernel asks L2 for (0: none);
+// docs/kernel-tuning.md, round 9.
+#ifndef LATENTD_L2_PREFETCH_TILES  // overridable only to build tuning variants
+#define LATENTD_L2_PREFETCH_TILES 0
+#endif
+inline constexpr int kL2PrefetchTiles = LATENTD_L2_PREFETCH_TILES;
+
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};
 inline constexpr int kNumTileConfigs = 3;

@@ -32,6 +32,10 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
+// Asks L2 for the 128-byte line holding p; nothing lands in shared memory or registers.
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -393,6 +397,23 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     }
   };
 
+  // Pulls KV tile t's rows into L2 ahead of their copy (LATENTD_L2_PREFETCH_TILES tiles
+  // past the copies in flight), so that copy's latency is an L2 hit's: deeper staging
+  // without shared memory. Keys past cta_end are never touched (unowned rows).
+  auto prefetch_tile = [&](int t, int page) {
+    constexpr int kRowBytes = kFp8 ? kFp8RowBytes : kHeadDimQK * 2;
+    constexpr int kLines = (kRowBytes + 127) / 128;
+    const int key0 = key_begin + t * kN;
+    const auto* base = static_cast<const uint8_t*>(p.kv) +
+                       (int64_t(page) * p.kv_page_stride + kv_head_off) * (kFp8 ? 1 : 2);
+    const int64_t row_bytes = p.kv_row_stride * (kFp8 ? 1 : 2);
+    for (int id = tid; id < kN * kLines; id += kCta) {
+      const int key = id / kLines, line = id % kLines;
+      if (key0 + key >= cta_end) break;
+      PrefetchL2(base + ((key0 + key) % kPageSize) * row_bytes + min(line * 128, kRowBytes - 1));
+    }
+  };
+
   // Query row r of this tile -> (token, head) -> element offset in q.
   auto q_row_ptr = [&](int r) -> const uint16_t* {
     const int row = row0 + r;
@@ -481,6 +502,11 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages, next_page);
     CpAsyncCommit();
     if (t + kStages < num_tiles) next_page = page_of(t + kStages);
+    // Only the memory-bound 16-row tile; the compute tiles have no registers to spare.
+    if constexpr (kRows == 16 && kL2PrefetchTiles > 0) {
+      const int tp = t + kStages - 1 + kL2PrefetchTiles;
+      if (tp < num_tiles) prefetch_tile(tp, page_of(tp));
+    }
     const int stage = t % kStages;
     const uint32_t kv_base = SmemAddr(&sm.kv[kFp8Ring ? 0 : stage][0][0]);
     if constexpr (kFp8Ring) {
