@@ -57,6 +57,15 @@ class AttentionBackend {
   // memory directly (the CPU backend) or could not register it.
   virtual uint64_t RegisterHostMemory(void* base, size_t bytes) { return 0; }
   virtual void UnregisterHostMemory(void* base) {}
+
+  // Another process's device allocation (see Engine::OpenDeviceMemory).
+  virtual absl::StatusOr<DeviceMemory> OpenDeviceMemory(absl::string_view ipc_handle, uint64_t offset,
+                                                        uint64_t bytes) {
+    return absl::FailedPreconditionError(
+        "open_cuda_region: this daemon serves on the CPU backend, which cannot reach device memory; use "
+        "open_region_bytes");
+  }
+  virtual void CloseDeviceMemory(const DeviceMemory& memory) {}
 };
 
 // kCpu always works; kCuda fails without a device or without CUDA support built in;

@@ -6,6 +6,7 @@
 // registered host memory (a same-host client's region) skip the host staging: one
 // copy-list kernel reads their q and rows from it over PCIe, another writes out and lse
 // back into it.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +32,30 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 }
 
 size_t AlignUp(size_t x) { return (x + 255) / 256 * 256; }
+
+// Bytes of the device allocation that starts at `base`, from the driver (the runtime
+// has no query for it): cuMemGetAddressRange, reached through the runtime's entry point.
+absl::StatusOr<uint64_t> AllocationSize(uint64_t base) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetAddressRange fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(f);
+  }();
+  if (fn == nullptr) return absl::InternalError("open_cuda_region: the driver has no cuMemGetAddressRange");
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (fn(&start, &size, static_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError("open_cuda_region.ipc_handle: the driver knows no allocation behind it");
+  }
+  // IPC maps whole allocations, so the mapping starts where the allocation does.
+  return static_cast<uint64_t>(start + size - base);
+}
 
 // Where the device reaches a tensor of a step in registered host memory.
 uint64_t DeviceAddress(const DecodeStep& step, const void* p) {
@@ -140,6 +165,51 @@ class CudaBackend final : public AttentionBackend {
   void UnregisterHostMemory(void* base) override {
     cudaSetDevice(o_.device);
     cudaHostUnregister(base);
+  }
+
+  absl::StatusOr<DeviceMemory> OpenDeviceMemory(absl::string_view ipc_handle, uint64_t offset,
+                                                uint64_t bytes) override {
+    cudaIpcMemHandle_t handle;
+    if (ipc_handle.size() != sizeof(handle.reserved)) {
+      return absl::InvalidArgumentError(absl::StrCat("open_cuda_region.ipc_handle: ", ipc_handle.size(),
+                                                     " bytes; expected ", sizeof(handle.reserved),
+                                                     " (a cudaIpcMemHandle_t from cudaIpcGetMemHandle)"));
+    }
+    std::memcpy(handle.reserved, ipc_handle.data(), sizeof(handle.reserved));
+    cudaSetDevice(o_.device);
+    void* base = nullptr;
+    cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not sticky: this client's request failed, nothing else
+      return absl::InvalidArgumentError(absl::StrCat("open_cuda_region.ipc_handle: cudaIpcOpenMemHandle: ",
+                                                     cudaGetErrorString(err),
+                                                     "; expected the handle of a live allocation of a process on "
+                                                     "this host, not already opened by this daemon"));
+    }
+    // The kernels trust every address they are given: a range past the allocation's end
+    // would fault the device for every client, so it is refused here.
+    const absl::StatusOr<uint64_t> size = AllocationSize(reinterpret_cast<uint64_t>(base));
+    absl::Status st = size.status();
+    if (st.ok() && (offset > *size || bytes > *size - offset)) {
+      st = absl::InvalidArgumentError(absl::StrCat("open_cuda_region: offset ", offset, " + bytes ", bytes,
+                                                   "; expected offset + bytes <= the allocation's ", *size,
+                                                   " bytes"));
+    }
+    if (!st.ok()) {
+      cudaIpcCloseMemHandle(base);
+      cudaGetLastError();
+      return st;
+    }
+    DeviceMemory m;
+    m.mapping = reinterpret_cast<uint64_t>(base);
+    m.address = m.mapping + offset;
+    return m;
+  }
+
+  void CloseDeviceMemory(const DeviceMemory& memory) override {
+    cudaSetDevice(o_.device);
+    cudaIpcCloseMemHandle(reinterpret_cast<void*>(memory.mapping));
+    cudaGetLastError();
   }
   const kv::KvCacheConfig& kv_config() const override { return config_; }
 

@@ -238,6 +238,11 @@ class EngineImpl final : public Engine {
     return backend_->RegisterHostMemory(base, bytes);
   }
   void UnregisterHostMemory(void* base) override { backend_->UnregisterHostMemory(base); }
+  absl::StatusOr<DeviceMemory> OpenDeviceMemory(absl::string_view ipc_handle, uint64_t offset,
+                                                uint64_t bytes) override {
+    return backend_->OpenDeviceMemory(ipc_handle, offset, bytes);
+  }
+  void CloseDeviceMemory(const DeviceMemory& memory) override { backend_->CloseDeviceMemory(memory); }
 
   EngineMetrics Metrics() const override {
     EngineMetrics m = metrics_.Snapshot();

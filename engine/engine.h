@@ -86,6 +86,12 @@ struct SequenceInfo {
   absl::Time last_used;          // last create, append or decode step (for the idle TTL)
 };
 
+// Device memory opened from another process's CUDA IPC handle.
+struct DeviceMemory {
+  uint64_t address = 0;  // the device address of the requested range's first byte
+  uint64_t mapping = 0;  // what the backend opened (the allocation's base), for closing
+};
+
 // One decode step. The caller owns every buffer and keeps them (and the step) alive
 // until StepDone has been called for it.
 struct DecodeStep;
@@ -201,6 +207,20 @@ class Engine {
   // device_base. Unregister only when no step using it is in flight.
   virtual uint64_t RegisterHostMemory(void* base, size_t bytes) { return 0; }
   virtual void UnregisterHostMemory(void* base) {}
+
+  // Device memory of another process on this host (a client's tensors on the GPU),
+  // given as a CUDA IPC handle: opened for the device, with [offset, offset + bytes)
+  // checked to lie inside the allocation. Steps whose tensors lie there set
+  // device_base to `address` and host_base to a host placeholder of the same size,
+  // which nothing reads or writes: the backend moves them with the device only.
+  // INVALID_ARGUMENT for a handle the driver refuses or a range outside the allocation,
+  // FAILED_PRECONDITION on the CPU backend. Close only when no step using it is in
+  // flight.
+  virtual absl::StatusOr<DeviceMemory> OpenDeviceMemory(absl::string_view ipc_handle, uint64_t offset,
+                                                        uint64_t bytes) {
+    return absl::UnimplementedError("open_cuda_region: not supported by this engine");
+  }
+  virtual void CloseDeviceMemory(const DeviceMemory& memory) {}
 
   virtual EngineMetrics Metrics() const = 0;
 

@@ -592,7 +592,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     {
       grpc::ProtoBufferReader reader(&read_buf_);
       uint64_t open_region = 0;
-      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message, &open_region);
+      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message, &open_region, &cuda_region_);
       if (!n.ok()) return SetFatal(grpc::StatusCode::INVALID_ARGUMENT, n.status().message());
       if (*n > o.max_steps_per_message) {
         return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -600,8 +600,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                      " steps in one message (--max_steps_per_message); send fewer per message"));
       }
       count = *n;
-      if (open_region > 0) {
-        grpc::Status st = OpenRegion(open_region);
+      if (open_region > 0 && cuda_region_.present) {
+        return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
+                        "DecodeRequest.open_region_bytes, open_cuda_region: expected at most one of them");
+      }
+      if (open_region > 0 || cuda_region_.present) {
+        grpc::Status st = cuda_region_.present ? OpenCudaRegion(cuda_region_) : OpenRegion(open_region);
         if (!st.ok()) return SetFatal(st.error_code(), st.error_message());
       }
     }
@@ -889,12 +893,71 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return grpc::Status::OK;
   }
 
+  // Same-host data plane on the GPU: the client's device allocation, opened through
+  // CUDA IPC for the stream's life. Host-side, region_ is then an inaccessible
+  // reservation of the same size: steps' pointers are computed from it (and validated
+  // against it) like a shared file's, but only the device ever touches the memory
+  // (Engine::OpenDeviceMemory). Read side only.
+  grpc::Status OpenCudaRegion(const wire::CudaRegionFields& req) {
+    const ServiceOptions& o = service_->options();
+    if (region_ != nullptr) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "DecodeRequest.open_cuda_region: this stream already has a region; open one per stream");
+    }
+    if (req.handle_bytes != wire::CudaRegionFields::kMaxIpcHandleBytes) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("DecodeRequest.open_cuda_region.ipc_handle: ", req.handle_bytes,
+                                       " bytes; expected ", wire::CudaRegionFields::kMaxIpcHandleBytes,
+                                       " (a cudaIpcMemHandle_t from cudaIpcGetMemHandle)"));
+    }
+    if (req.bytes == 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "DecodeRequest.open_cuda_region.bytes: 0; expected the region's size in bytes");
+    }
+    if (req.bytes > static_cast<uint64_t>(o.max_region_bytes)) {
+      service_->refused_regions_.fetch_add(1, std::memory_order_relaxed);
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_cuda_region.bytes: ", req.bytes,
+                                       " bytes is over --max_region_bytes=", o.max_region_bytes));
+    }
+    if (!service_->ChargeRegion(static_cast<int64_t>(req.bytes))) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_cuda_region: regions of all streams are at "
+                                       "--max_region_total_bytes=",
+                                       o.max_region_total_bytes, "; retry later or ask for less"));
+    }
+    absl::StatusOr<engine::DeviceMemory> mem =
+        service_->engine()->OpenDeviceMemory(req.handle, req.offset, req.bytes);
+    void* reservation = MAP_FAILED;
+    if (mem.ok()) {
+      reservation = mmap(nullptr, req.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    }
+    if (!mem.ok() || reservation == MAP_FAILED) {
+      if (mem.ok()) service_->engine()->CloseDeviceMemory(*mem);
+      service_->ReleaseRegion(static_cast<int64_t>(req.bytes));
+      if (!mem.ok()) {
+        return grpc::Status(static_cast<grpc::StatusCode>(mem.status().code()),
+                            absl::StrCat("DecodeRequest.", mem.status().message()));
+      }
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "DecodeRequest.open_cuda_region: cannot reserve host address space for the region");
+    }
+    region_ = static_cast<char*>(reservation);
+    region_bytes_ = req.bytes;
+    region_device_ = mem->address;
+    region_memory_ = *mem;
+    region_is_cuda_ = true;
+    absl::MutexLock l(&mu_);
+    region_reply_ = wire::EncodeRegionResponse("", req.bytes);
+    return grpc::Status::OK;
+  }
+
   // A step whose tensors are in the region: every tensor inside it and aligned.
   absl::Status ValidateRegion(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) const {
     absl::Status st = CheckIdAndLayer(in, sh);
     if (st.ok() && region_ == nullptr) {
       st = absl::InvalidArgumentError(
-          "region: this stream has no shared region; send DecodeRequest.open_region_bytes first");
+          "region: this stream has no region; send DecodeRequest.open_region_bytes or open_cuda_region first");
     }
     if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
       st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
@@ -934,9 +997,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     for (Slot* s : deferred_) DeleteSlot(s);
     for (Slot* s : done_) DeleteSlot(s);
     if (region_ != nullptr) {  // no step reads or writes it any more
-      if (region_device_ != 0) service_->engine()->UnregisterHostMemory(region_);
+      if (region_is_cuda_) {
+        service_->engine()->CloseDeviceMemory(region_memory_);
+      } else if (region_device_ != 0) {
+        service_->engine()->UnregisterHostMemory(region_);
+      }
       munmap(region_, region_bytes_);
-      close(region_fd_);
+      if (region_fd_ >= 0) close(region_fd_);
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
   }
@@ -957,6 +1024,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   char* region_ = nullptr;
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered
   uint64_t region_bytes_ = 0;
+  // A CUDA region (open_cuda_region): region_ is a PROT_NONE reservation, the memory
+  // the client's device allocation opened as region_memory_.
+  bool region_is_cuda_ = false;
+  engine::DeviceMemory region_memory_;
+  wire::CudaRegionFields cuda_region_;  // parse buffer of the read side
   // The submitting thread's (submitting_): one SubmitBatch's steps and answers.
   std::vector<engine::DecodeStep*> submit_;
   std::vector<absl::Status> statuses_;

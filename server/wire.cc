@@ -24,6 +24,7 @@ constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
               kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
 constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2;
+constexpr int kRequestOpenCudaRegion = 3, kCudaHandle = 1, kCudaOffset = 2, kCudaBytes = 3;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
               kResultTiming = 6;
 constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3;
@@ -170,13 +171,40 @@ size_t ResultBodySize(const ResultView& r) {
 
 }  // namespace
 
+// The fields of one CudaRegion message (the stream is limited to it).
+bool ReadCudaRegion(CodedInputStream* in, CudaRegionFields* out) {
+  return ReadFields(in, [&](int field, int type, bool* handled) {
+    if (field == kCudaHandle && type == kLen) {
+      *handled = true;
+      return ReadBoundedBytes(in, CudaRegionFields::kMaxIpcHandleBytes, &out->handle, &out->handle_bytes);
+    }
+    if ((field == kCudaOffset || field == kCudaBytes) && type == kVarint) {
+      *handled = true;
+      return in->ReadVarint64(field == kCudaOffset ? &out->offset : &out->bytes);
+    }
+    return true;
+  });
+}
+
 absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* stream, int limit,
-                                     uint64_t* open_region_bytes) {
+                                     uint64_t* open_region_bytes, CudaRegionFields* cuda_region) {
   CodedInputStream in(stream);
   Prepare(&in);
   int count = 0;
   if (open_region_bytes != nullptr) *open_region_bytes = 0;
+  if (cuda_region != nullptr) *cuda_region = CudaRegionFields();
   const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
+    if (field == kRequestOpenCudaRegion && type == kLen) {
+      *handled = true;
+      uint32_t len = 0;
+      if (!in.ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return false;
+      if (cuda_region == nullptr) return in.Skip(static_cast<int>(len));
+      const CodedInputStream::Limit lim = in.PushLimit(static_cast<int>(len));
+      cuda_region->present = true;
+      if (!ReadCudaRegion(&in, cuda_region) || !in.ConsumedEntireMessage()) return false;
+      in.PopLimit(lim);
+      return true;
+    }
     if (field == kRequestOpenRegion && type == kVarint) {
       *handled = true;
       uint64_t v = 0;

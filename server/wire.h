@@ -40,12 +40,23 @@ struct StepFields {
   std::string* kv = nullptr;
 };
 
+// DecodeRequest.open_cuda_region as read off the wire (present: the field was there).
+// A handle longer than kMaxIpcHandleBytes is not copied; handle_bytes keeps its size.
+struct CudaRegionFields {
+  static constexpr int kMaxIpcHandleBytes = 64;
+  bool present = false;
+  std::string handle;
+  int64_t handle_bytes = 0;
+  uint64_t offset = 0, bytes = 0;
+};
+
 // Steps in a serialized DecodeRequest, found without copying any field; INVALID_ARGUMENT
 // naming the byte offset when the bytes are not a DecodeRequest. Stops counting (and
 // returns limit + 1) once the count exceeds `limit`. *open_region_bytes (when given)
-// gets DecodeRequest.open_region_bytes.
+// gets DecodeRequest.open_region_bytes, *cuda_region (when given) open_cuda_region.
 absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* in, int limit,
-                                     uint64_t* open_region_bytes = nullptr);
+                                     uint64_t* open_region_bytes = nullptr,
+                                     CudaRegionFields* cuda_region = nullptr);
 
 // Reads a DecodeRequest's steps one at a time.
 class DecodeStepReader {

@@ -324,6 +324,52 @@ TEST(WireTest, RegionFieldsAndResponse) {
   EXPECT_EQ(resp.results_size(), 0);
 }
 
+TEST(WireTest, CudaRegionFields) {
+  v1::DecodeRequest req;
+  std::string handle(64, '\0');
+  for (int i = 0; i < 64; ++i) handle[i] = static_cast<char>(i * 7 + 1);
+  req.mutable_open_cuda_region()->set_ipc_handle(handle);
+  req.mutable_open_cuda_region()->set_offset(uint64_t{3} << 33);
+  req.mutable_open_cuda_region()->set_bytes(987654321);
+  req.add_steps()->set_request_id(1);
+  const std::string wire_bytes = req.SerializeAsString();  // Stream() reads it in place
+  auto counted = Stream(wire_bytes);
+  uint64_t open = 7;
+  CudaRegionFields cuda;
+  auto n = CountDecodeSteps(&counted, 10, &open, &cuda);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 1);
+  EXPECT_EQ(open, 0u);
+  EXPECT_TRUE(cuda.present);
+  EXPECT_EQ(cuda.handle, handle);
+  EXPECT_EQ(cuda.handle_bytes, 64);
+  EXPECT_EQ(cuda.offset, uint64_t{3} << 33);
+  EXPECT_EQ(cuda.bytes, 987654321u);
+
+  // A handle over the bound is measured, not copied; a message without the field
+  // leaves the previous message's fields behind.
+  req.mutable_open_cuda_region()->set_ipc_handle(std::string(1000, 'h'));
+  const std::string big_bytes = req.SerializeAsString();
+  auto big = Stream(big_bytes);
+  ASSERT_TRUE(CountDecodeSteps(&big, 10, &open, &cuda).ok());
+  EXPECT_TRUE(cuda.present);
+  EXPECT_EQ(cuda.handle_bytes, 1000);
+  EXPECT_TRUE(cuda.handle.empty());
+  req.clear_open_cuda_region();
+  const std::string none_bytes = req.SerializeAsString();
+  auto none = Stream(none_bytes);
+  ASSERT_TRUE(CountDecodeSteps(&none, 10, &open, &cuda).ok());
+  EXPECT_FALSE(cuda.present);
+  EXPECT_EQ(cuda.handle_bytes, 0);
+
+  // A truncated CudaRegion is malformed.
+  req.mutable_open_cuda_region()->set_ipc_handle(handle);
+  std::string bytes = req.SerializeAsString();
+  bytes.resize(20);
+  auto cut = Stream(bytes);
+  EXPECT_FALSE(CountDecodeSteps(&cut, 10, &open, &cuda).ok());
+}
+
 TEST(WireTest, AppendKvRequest) {
   v1::AppendKvRequest req;
   req.set_sequence_id("abc");

@@ -269,6 +269,22 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t 
   return std::make_unique<SharedRegion>(static_cast<char*>(map), bytes);
 }
 
+absl::Status DecodeStream::OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes) {
+  v1::DecodeRequest req;
+  v1::CudaRegion* region = req.mutable_open_cuda_region();
+  region->set_ipc_handle(std::string(ipc_handle));
+  region->set_offset(offset);
+  region->set_bytes(bytes);
+  v1::DecodeResponse resp;
+  if (!rw_->Write(req) || !rw_->Read(&resp)) {
+    grpc::Status st = rw_->Finish();
+    return st.ok() ? absl::UnavailableError("Decode stream ended before the region's answer") : ToAbsl(st);
+  }
+  if (!resp.has_region() || resp.region().bytes() != bytes)
+    return absl::InternalError("Decode stream: the first response is not the region's answer");
+  return absl::OkStatus();
+}
+
 bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(request); }
 bool DecodeStream::Read(v1::DecodeResponse* response) { return rw_->Read(response); }
 bool DecodeStream::WritesDone() { return rw_->WritesDone(); }

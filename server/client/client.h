@@ -161,6 +161,12 @@ class DecodeStream {
   // other Write and before reading: it writes one message and reads the answer. Works
   // only on the server's host, as the daemon's user.
   absl::StatusOr<std::unique_ptr<SharedRegion>> OpenRegion(uint64_t bytes);
+  // Offers `bytes` bytes of this process's device allocation, from `offset` on, as the
+  // stream's region (DecodeRequest.open_cuda_region): ipc_handle is the allocation's
+  // cudaIpcMemHandle_t (64 bytes, from cudaIpcGetMemHandle). Steps then name offsets
+  // relative to that start, and the server's GPU reads q/kv and writes out/lse there.
+  // Same rules as OpenRegion; the daemon must serve on the CUDA backend.
+  absl::Status OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes);
   bool Write(const v1::DecodeRequest& request);
   bool Read(v1::DecodeResponse* response);
   bool WritesDone();

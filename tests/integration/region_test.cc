@@ -257,5 +257,63 @@ TEST(RegionTest, RegionSizesAreBounded) {
   EXPECT_TRUE(opened);
 }
 
+// A CUDA region (open_cuda_region) asked of this CPU daemon, and malformed ones: each
+// ends the stream with the field named, and the daemon keeps serving.
+grpc::Status OpenCudaRegionStatus(client::Client* c, const std::string& handle, uint64_t bytes,
+                                  bool also_host_region = false) {
+  auto stream = c->OpenDecodeStream();
+  v1::DecodeRequest req;
+  req.mutable_open_cuda_region()->set_ipc_handle(handle);
+  req.mutable_open_cuda_region()->set_bytes(bytes);
+  if (also_host_region) req.set_open_region_bytes(4096);
+  stream->Write(req);
+  return Close(stream.get());
+}
+
+TEST(RegionTest, CudaRegionsAreRefusedWithTheField) {
+  Daemon daemon({"--max_region_bytes=1048576"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string handle(64, '\x5a');
+  struct Case {
+    std::string handle;
+    uint64_t bytes;
+    bool both;
+    grpc::StatusCode code;
+    const char* names;
+  };
+  const Case cases[] = {
+      {handle, 4096, false, grpc::StatusCode::FAILED_PRECONDITION, "CPU backend"},
+      {std::string(63, 'x'), 4096, false, grpc::StatusCode::INVALID_ARGUMENT, "open_cuda_region.ipc_handle: 63 bytes"},
+      {std::string(65, 'x'), 4096, false, grpc::StatusCode::INVALID_ARGUMENT, "open_cuda_region.ipc_handle: 65 bytes"},
+      {std::string(1 << 16, 'x'), 4096, false, grpc::StatusCode::INVALID_ARGUMENT, "ipc_handle: 65536 bytes"},
+      {handle, 0, false, grpc::StatusCode::INVALID_ARGUMENT, "open_cuda_region.bytes: 0"},
+      {handle, 2 << 20, false, grpc::StatusCode::RESOURCE_EXHAUSTED, "--max_region_bytes"},
+      {handle, 4096, true, grpc::StatusCode::INVALID_ARGUMENT, "open_region_bytes, open_cuda_region"},
+  };
+  for (const Case& k : cases) {
+    grpc::Status st = OpenCudaRegionStatus(c->get(), k.handle, k.bytes, k.both);
+    EXPECT_EQ(st.error_code(), k.code) << k.names << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(k.names), std::string::npos) << st.error_message();
+  }
+  // The client API says the same, and a byte stream of the same client still decodes.
+  auto stream = (*c)->OpenDecodeStream();
+  absl::Status st = stream->OpenCudaRegion(handle, 0, 4096);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  Tracker tracker(c->get());
+  auto seq = tracker.NewSequence({70});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto good = (*c)->OpenDecodeStream();
+  v1::DecodeRequest req;
+  *req.add_steps() = tracker.Step(*seq, 0, 1, false);
+  ASSERT_TRUE(good->Write(req));
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(good->Read(&resp));
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_TRUE(tracker.Check(resp.results(0)).ok()) << tracker.Check(resp.results(0));
+  EXPECT_TRUE(Close(good.get()).ok());
+}
+
 }  // namespace
 }  // namespace latentd::testing
