@@ -1,7 +1,8 @@
 # A Python model runner over latentd_client: one Decode stream, B sequences with
 # prefixes, one message of B steps per layer, wait for all results, next layer; prints
 # the per-layer round trip p50/p90/p99. --shm uses the stream's shared region (q/kv
-# written with numpy, out/lse read in place); otherwise tensors travel as gRPC bytes.
+# written with numpy, out/lse read in place); --cuda makes the region a torch CUDA tensor
+# (CUDA IPC); otherwise tensors travel as gRPC bytes.
 #   PYTHONPATH=server/python python3 bench/python_runner.py --target=127.0.0.1:50051 --shm
 import argparse
 import time
@@ -33,6 +34,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=30)
     ap.add_argument("--warmup_tokens", type=int, default=3)
     ap.add_argument("--shm", action="store_true")
+    ap.add_argument("--cuda", action="store_true",
+                    help="the region is a torch CUDA tensor (open_cuda_region); inputs copied on the GPU")
     a = ap.parse_args()
     c = LatentdClient(a.target)
     info = c.info
@@ -50,7 +53,21 @@ def main():
     kv_pool = rng.integers(0, 1 << 16, size=(B, h_kv, 576), dtype=np.uint16) & 0xBFFF
     times = []
     with c.open_session() as session:
-        if a.shm:
+        if a.cuda:
+            import torch
+            # Tensor-major layout (all q, then all kv, out, lse), so a layer's inputs are
+            # two device copies, as a model's batched q would be.
+            q_at, kv_at, out_at, lse_at = 0, B * qb, B * (qb + kvb), B * (qb + kvb + ob)
+            dev_region = torch.zeros(B * (qb + kvb + ob + lb), dtype=torch.uint8, device="cuda")
+            session.open_cuda_region(dev_region)
+            q_dev = torch.from_numpy(q_pool.view(np.int16)).cuda().reshape(B, -1)
+            kv_dev = torch.from_numpy(kv_pool.view(np.int16)).cuda().reshape(B, -1)
+            q_dst = dev_region[q_at:kv_at].view(torch.int16).view(B, -1)
+            kv_dst = dev_region[kv_at:out_at].view(torch.int16).view(B, -1)
+            cuda_steps = lambda layer: [dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=q_at + b * qb,
+                                             kv_offset=kv_at + b * kvb, out_offset=out_at + b * ob,
+                                             lse_offset=lse_at + b * lb) for b in range(B)]
+        elif a.shm:
             region = session.open_region(slot * B)
             q_views = [region.array(b * slot, (h_q, 576), "<u2") for b in range(B)]
             kv_views = [region.array(b * slot + qb, (h_kv, 576), "<u2") for b in range(B)]
@@ -59,7 +76,12 @@ def main():
         for tok in range(a.warmup_tokens + a.tokens):
             for layer in range(L):
                 t0 = time.perf_counter()
-                if a.shm:
+                if a.cuda:
+                    q_dst.copy_(q_dev)
+                    kv_dst.copy_(kv_dev)
+                    torch.cuda.synchronize()
+                    ids = session.submit_region(cuda_steps(layer))
+                elif a.shm:
                     for b in range(B):
                         q_views[b][:] = q_pool[b]
                         kv_views[b][:] = kv_pool[b]
@@ -79,15 +101,18 @@ def main():
                     if got == B:
                         break
                 if tok == a.warmup_tokens + a.tokens - 1 and layer == 0:
-                    check(c, info, prefix, kv_pool[0], tok + 1, q_pool[0],
-                          out_views[0].copy() if a.shm else outs[ids[0]].out)
+                    if a.cuda:
+                        out0 = dev_region[out_at:out_at + ob].cpu().numpy().view("<u2").reshape(h_q, 512)
+                    else:
+                        out0 = out_views[0].copy() if a.shm else outs[ids[0]].out
+                    check(c, info, prefix, kv_pool[0], tok + 1, q_pool[0], out0)
                 if tok >= a.warmup_tokens:
                     times.append((time.perf_counter() - t0) * 1e3)
         session.close_send()
         for _ in results:
             pass
     t = np.array(times)
-    print(f"python_runner: h_q {h_q} B {B} L {L} {'shared region' if a.shm else 'gRPC bytes'}: per-layer p50 "
+    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'shared region' if a.shm else 'gRPC bytes'}: per-layer p50 "
           f"{np.percentile(t, 50):.3f} ms p90 {np.percentile(t, 90):.3f} ms p99 {np.percentile(t, 99):.3f} ms "
           f"({len(t)} layers)")
     for s in seqs:

@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "server/client/client.h"
 #include "server/client/reference.h"
+#include "server/tools/device_region.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
 ABSL_FLAG(int, runners, 1, "concurrent model runners (R), one Decode stream each");
@@ -40,6 +41,10 @@ ABSL_FLAG(bool, trace, true, "ask the server for StepTiming and print the breakd
 ABSL_FLAG(bool, shm, false,
           "same-host data plane: each runner's stream opens a shared region; q/kv are written there and "
           "out/lse read from there, and messages carry offsets only");
+ABSL_FLAG(bool, cuda_region, false,
+          "same-host data plane on the GPU: each runner's q/kv/out/lse live in a device allocation of its "
+          "own, offered to its stream through CUDA IPC (open_cuda_region); each layer's inputs are copied "
+          "there on the device from a pool, and messages carry offsets only");
 ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 
@@ -195,7 +200,8 @@ int Main() {
   const bool causal = absl::GetFlag(FLAGS_causal);
   const int check_every = absl::GetFlag(FLAGS_check_every);
   const bool trace = absl::GetFlag(FLAGS_trace);
-  const bool shm = absl::GetFlag(FLAGS_shm);
+  const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
+  const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region;  // offsets, not bytes, either way
   if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
@@ -204,7 +210,7 @@ int Main() {
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
               dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
               info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(), R, B, L, s_q, prefix, tokens,
-              shm ? ", shared region" : "");
+              cuda_region ? ", CUDA region" : shm ? ", shared region" : "");
   std::fflush(stdout);
 
   client::Reference ref(info, 4);
@@ -276,8 +282,23 @@ int Main() {
       const uint64_t q_at = 0, kv_at = shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
                      lse_at = out_at + shape.OutBytes(s_q), slot = (lse_at + shape.LseBytes(s_q) + 255) / 256 * 256;
       std::unique_ptr<client::SharedRegion> region;
+      std::unique_ptr<tools::DeviceRegion> device;  // --cuda_region: pool [q_pool, kv_pool]
       bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
-      if (shm) {
+      if (cuda_region) {
+        std::vector<std::string> pool(q_pool);
+        pool.insert(pool.end(), kv_pool.begin(), kv_pool.end());
+        auto made = tools::DeviceRegion::Create(slot * B, pool);
+        absl::Status opened = made.status();
+        if (opened.ok()) {
+          device = std::move(*made);
+          opened = stream->OpenCudaRegion(device->IpcHandle(), 0, slot * B);
+        }
+        if (!opened.ok()) {
+          st.first_error = opened.ToString();
+          st.failed += 1;
+          broken = true;
+        }
+      } else if (shm) {
         auto opened = stream->OpenRegion(slot * B);
         if (opened.ok()) {
           region = std::move(*opened);
@@ -330,13 +351,23 @@ int Main() {
           for (int b = 0; b < B; ++b) {  // producing the inputs is part of the round trip
             const std::string& q = q_pool[q_of[b]];
             const std::string& kv = kv_pool[(q_of[b] + 3) % kPool];
-            if (shm && region != nullptr) {
+            if (device != nullptr) {
+              device->CopyFromPool(slot * b + q_at, q_of[b]);
+              device->CopyFromPool(slot * b + kv_at, kPool + (q_of[b] + 3) % kPool);
+            } else if (shm && region != nullptr) {
               std::memcpy(region->data() + slot * b + q_at, q.data(), q.size());
               std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
             } else {
               req.mutable_steps(b)->set_q(q);
               req.mutable_steps(b)->set_kv(kv);
             }
+          }
+          if (device != nullptr && !device->Sync().ok()) {  // the inputs are complete before the send
+            st.first_error = "device copies failed";
+            st.failed += B;
+            broken = true;
+            barrier.Wait();
+            continue;
           }
           if (!stream->Write(req)) {
             st.first_error = "stream write failed";
@@ -364,7 +395,10 @@ int Main() {
               length[key] += s_q;
               ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
               if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
-                if (shm) {  // the results are in the region, in place
+                if (device != nullptr) {  // in place, on the device
+                  res.set_out(device->Read(slot * b + out_at, shape.OutBytes(s_q)));
+                  res.set_lse(device->Read(slot * b + lse_at, shape.LseBytes(s_q)));
+                } else if (shm) {  // the results are in the region, in place
                   res.set_out(std::string(region->data() + slot * b + out_at, shape.OutBytes(s_q)));
                   res.set_lse(std::string(region->data() + slot * b + lse_at, shape.LseBytes(s_q)));
                 }

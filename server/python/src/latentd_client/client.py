@@ -320,6 +320,32 @@ class DecodeSession:
         self.region = SharedRegion(resp.region.path, nbytes)
         return self.region
 
+    def open_cuda_region(self, tensor):
+        """Offers a CUDA tensor's memory (torch, on the server's GPU or one it reaches) as
+        this stream's region, through CUDA IPC: the server's GPU then reads q/kv from it
+        and writes out/lse into it, with no host copy anywhere. Steps' offsets
+        (submit_region) are bytes from tensor.data_ptr(). Call before any submit and
+        before results(); finish writing the tensor (e.g. torch.cuda.synchronize())
+        before submitting steps that read it. CUDA daemon only."""
+        storage = tensor.untyped_storage()
+        # (device, handle, storage bytes, storage offset in the allocation, ...)
+        shared = storage._share_cuda_()
+        handle, alloc_offset = shared[1], shared[3]
+        start = alloc_offset + (tensor.data_ptr() - storage.data_ptr())
+        nbytes = tensor.numel() * tensor.element_size()
+        region = latentd_pb2.CudaRegion(ipc_handle=handle, offset=start, bytes=nbytes)
+        self._requests.put(latentd_pb2.DecodeRequest(open_cuda_region=region))
+        try:
+            resp = next(self._responses)
+        except StopIteration:
+            raise LatentdError(grpc.StatusCode.UNAVAILABLE, "stream ended before the region's answer") from None
+        except grpc.RpcError as e:
+            raise LatentdError(e.code(), e.details()) from None
+        if resp.region.bytes != nbytes:
+            raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        self.region = tensor
+        return tensor
+
     def submit_region(self, steps):
         """Sends steps whose tensors are in the region, as one DecodeRequest (a model
         runner's layer batch: one launch, results back together). Each step is a dict:
