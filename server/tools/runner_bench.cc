@@ -281,17 +281,38 @@ int Main() {
       // Region layout: step b's q, kv, out and lse in slot b.
       const uint64_t q_at = 0, kv_at = shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
                      lse_at = out_at + shape.OutBytes(s_q), slot = (lse_at + shape.LseBytes(s_q) + 255) / 256 * 256;
+      // --cuda_region lays the region out tensor by tensor: all q, then all kv, out, lse.
+      struct {
+        uint64_t q, kv, out, lse, bytes;
+      } dev;
+      dev.q = 0;
+      dev.kv = uint64_t(B) * shape.QBytes(s_q);
+      dev.out = dev.kv + uint64_t(B) * shape.KvBytes(s_q);
+      dev.lse = dev.out + uint64_t(B) * shape.OutBytes(s_q);
+      dev.bytes = dev.lse + uint64_t(B) * shape.LseBytes(s_q);
+      auto q_off = [&](int b) { return cuda_region ? dev.q + b * shape.QBytes(s_q) : slot * b + q_at; };
+      auto kv_off = [&](int b) { return cuda_region ? dev.kv + b * shape.KvBytes(s_q) : slot * b + kv_at; };
+      auto out_off = [&](int b) { return cuda_region ? dev.out + b * shape.OutBytes(s_q) : slot * b + out_at; };
+      auto lse_off = [&](int b) { return cuda_region ? dev.lse + b * shape.LseBytes(s_q) : slot * b + lse_at; };
+      int layer_count = 0;
       std::unique_ptr<client::SharedRegion> region;
       std::unique_ptr<tools::DeviceRegion> device;  // --cuda_region: pool [q_pool, kv_pool]
       bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
       if (cuda_region) {
-        std::vector<std::string> pool(q_pool);
-        pool.insert(pool.end(), kv_pool.begin(), kv_pool.end());
-        auto made = tools::DeviceRegion::Create(slot * B, pool);
+        // Pool entry p: the q of step b is q_pool[(p + b) % kPool], back to back (entry
+        // kPool + p: their kv rows), so a layer's inputs are two device copies, as a
+        // model's batched q would be.
+        std::vector<std::string> pool(2 * kPool);
+        for (int p = 0; p < kPool; ++p)
+          for (int b = 0; b < B; ++b) {
+            pool[p] += q_pool[(p + b) % kPool];
+            pool[kPool + p] += kv_pool[(p + b + 3) % kPool];
+          }
+        auto made = tools::DeviceRegion::Create(dev.bytes, pool);
         absl::Status opened = made.status();
         if (opened.ok()) {
           device = std::move(*made);
-          opened = stream->OpenCudaRegion(device->IpcHandle(), 0, slot * B);
+          opened = stream->OpenCudaRegion(device->IpcHandle(), 0, dev.bytes);
         }
         if (!opened.ok()) {
           st.first_error = opened.ToString();
@@ -320,10 +341,10 @@ int Main() {
         if (shm) {
           v1::RegionTensors* t = s->mutable_region();
           t->set_s_q(s_q);
-          t->set_q_offset(slot * b + q_at);
-          t->set_kv_offset(slot * b + kv_at);
-          t->set_out_offset(slot * b + out_at);
-          t->set_lse_offset(slot * b + lse_at);
+          t->set_q_offset(q_off(b));
+          t->set_kv_offset(kv_off(b));
+          t->set_out_offset(out_off(b));
+          t->set_lse_offset(lse_off(b));
         }
       }
       for (int tok = 0; tok < warmup + tokens; ++tok) {
@@ -341,7 +362,7 @@ int Main() {
           std::map<uint64_t, int> index;  // request_id -> b
           for (int b = 0; b < B; ++b) {
             v1::DecodeStep* s = req.mutable_steps(b);
-            const int qi = static_cast<int>((next_id * 7 + b) % kPool);
+            const int qi = device != nullptr ? (layer_count + b) % kPool : static_cast<int>((next_id * 7 + b) % kPool);
             q_of[b] = qi;
             s->set_request_id(next_id);
             s->set_layer(l);
@@ -352,8 +373,10 @@ int Main() {
             const std::string& q = q_pool[q_of[b]];
             const std::string& kv = kv_pool[(q_of[b] + 3) % kPool];
             if (device != nullptr) {
-              device->CopyFromPool(slot * b + q_at, q_of[b]);
-              device->CopyFromPool(slot * b + kv_at, kPool + (q_of[b] + 3) % kPool);
+              if (b == 0) {  // the whole batch's q and kv at once
+                device->CopyFromPool(dev.q, layer_count % kPool);
+                device->CopyFromPool(dev.kv, kPool + layer_count % kPool);
+              }
             } else if (shm && region != nullptr) {
               std::memcpy(region->data() + slot * b + q_at, q.data(), q.size());
               std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
@@ -396,8 +419,8 @@ int Main() {
               ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
               if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
                 if (device != nullptr) {  // in place, on the device
-                  res.set_out(device->Read(slot * b + out_at, shape.OutBytes(s_q)));
-                  res.set_lse(device->Read(slot * b + lse_at, shape.LseBytes(s_q)));
+                  res.set_out(device->Read(out_off(b), shape.OutBytes(s_q)));
+                  res.set_lse(device->Read(lse_off(b), shape.LseBytes(s_q)));
                 } else if (shm) {  // the results are in the region, in place
                   res.set_out(std::string(region->data() + slot * b + out_at, shape.OutBytes(s_q)));
                   res.set_lse(std::string(region->data() + slot * b + lse_at, shape.LseBytes(s_q)));
@@ -421,6 +444,7 @@ int Main() {
             st.layer_us.push_back(static_cast<double>(NowUs() - sent));
             ++st.layers;
           }
+          ++layer_count;
           barrier.Wait();
         }
       }

@@ -331,6 +331,9 @@ class DecodeSession:
         # (device, handle, storage bytes, storage offset in the allocation, ...)
         shared = storage._share_cuda_()
         handle, alloc_offset = shared[1], shared[3]
+        if len(handle) == 66:
+            # Recent torch prefixes its cudaMalloc handles with a version and a kind byte.
+            handle = handle[2:]
         start = alloc_offset + (tensor.data_ptr() - storage.data_ptr())
         nbytes = tensor.numel() * tensor.element_size()
         region = latentd_pb2.CudaRegion(ipc_handle=handle, offset=start, bytes=nbytes)
