@@ -194,7 +194,10 @@ class EngineImpl final : public Engine {
     return info;
   }
 
-  absl::Status Submit(DecodeStep* step) override {
+  absl::Status Submit(DecodeStep* step) override { return SubmitOne(step, /*wake=*/true); }
+
+  // wake = false: the scheduler is not woken for this push (SubmitBatch wakes it once).
+  absl::Status SubmitOne(DecodeStep* step, bool wake) {
     absl::Status st = Validate(*step);
     if (!st.ok()) {
       metrics_.Reject(RejectReason::kInvalid);
@@ -208,7 +211,7 @@ class EngineImpl final : public Engine {
       return absl::UnavailableError("server is draining: no new decode steps accepted");
     }
     step->enqueued_at = absl::Now();
-    st = queue_.Push(step, absl::HashOf(step->sequence_id));
+    st = queue_.Push(step, absl::HashOf(step->sequence_id), wake);
     if (!st.ok()) {
       Unaccept();
       metrics_.Reject(RejectReason::kQueueFull);
@@ -224,13 +227,18 @@ class EngineImpl final : public Engine {
       for (int i = 0; i < n; ++i) statuses[i] = Submit(steps[i]);
       return;
     }
-    // Seen by the scheduler before the first push, so no batch forms from a part.
+    // Seen by the scheduler before the first push, so no batch forms from a part. The
+    // pushes do not wake the scheduler one by one (each wake costs the submitter a
+    // syscall and the scheduler a drain); it is woken once the message is queued.
     batch_submitters_.fetch_add(1);
     for (int i = 0; i < n; ++i) {
       if (i > 0 && o_.on_batch_submit_for_testing) o_.on_batch_submit_for_testing();
-      statuses[i] = Submit(steps[i]);
+      statuses[i] = SubmitOne(steps[i], /*wake=*/false);
     }
     batch_submitters_.fetch_sub(1);
+    // A message of several steps is a batch its sender has already formed (a model
+    // runner's layer): it ends the batching window instead of waiting it out.
+    if (n > 1) unit_queued_.store(true);
     queue_.Wake();
   }
 
@@ -474,12 +482,18 @@ class EngineImpl final : public Engine {
       if (stop_.load() && queue_.size() == 0 && inflight == nullptr) break;
       if (fair_.empty() && inflight == nullptr) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
       Collect();
-      // An idle engine waits a short window for more steps to fill the batch.
-      if (inflight == nullptr && !fair_.empty() && o_.batch_window > absl::ZeroDuration() && !stop_.load()) {
+      // An idle engine waits a short window for more steps to fill the batch, unless a
+      // whole message (SubmitBatch) has arrived: its sender formed the batch already.
+      if (inflight == nullptr && !fair_.empty() && o_.batch_window > absl::ZeroDuration() && !stop_.load() &&
+          !unit_queued_.exchange(false)) {
         const absl::Time until = window_start_ + o_.batch_window;
         while (fair_.size() < o_.max_batch_size && absl::Now() < until) {
           queue_.WaitForWork(until);
           Collect();
+          if (unit_queued_.exchange(false)) {
+            Collect();  // the message's last pushes may have landed after the drain above
+            break;
+          }
         }
       }
       WaitForBatchSubmitters();
@@ -538,6 +552,7 @@ class EngineImpl final : public Engine {
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> draining_{false};
+  std::atomic<bool> unit_queued_{false};  // a SubmitBatch of 2+ steps finished queueing
   std::atomic<int> batch_submitters_{0};  // SubmitBatch calls under way
   std::atomic<uint64_t> accepted_{0}, completed_{0};
   absl::Mutex done_mu_;

@@ -43,6 +43,8 @@ struct EngineOptions {
   int max_batch_size = 64;          // steps per launch
   int max_batch_tokens = 1024;      // query rows (sum of s_q) per launch
   int max_queue = 4096;             // queued steps before submissions are refused
+  // How long an idle scheduler waits for more steps before launching; a SubmitBatch of
+  // two or more steps (one DecodeRequest) ends it at once.
   absl::Duration batch_window = absl::Microseconds(50);
   int max_s_q = 8;                  // largest s_q a step may carry
   int cpu_threads = 0;              // CPU backend threads, 0 = all

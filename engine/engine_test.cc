@@ -516,6 +516,29 @@ TEST_F(EngineTest, SubmitBatchRunsInOneLaunch) {
   EXPECT_EQ(engine->Metrics().batches, 1u) << "the message was split over launches";
 }
 
+// A message of several steps is a batch already: it launches without waiting out the
+// batching window, while a lone step still waits for company.
+TEST_F(EngineTest, SubmitBatchEndsTheBatchWindow) {
+  EngineOptions o = Model(2, 16);
+  o.batch_window = absl::Seconds(1);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 43);
+  std::vector<Harness::Pending*> unit;
+  for (int i = 0; i < 3; ++i) unit.push_back(h.MakeStep(h.NewSequence(20 + i), 0, 1, false));
+  ASSERT_TRUE(h.SubmitBatch(unit).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : unit) {
+    EXPECT_TRUE(h.Check(*p, kExact));
+    EXPECT_LT(p->step.batched_at - p->step.enqueued_at, absl::Milliseconds(500)) << "the message waited";
+  }
+  Harness::Pending* lone = h.MakeStep(h.NewSequence(30), 1, 1, false);
+  ASSERT_TRUE(h.Submit(lone).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(h.Check(*lone, kExact));
+  EXPECT_GE(lone->step.batched_at - lone->step.enqueued_at, absl::Milliseconds(900)) << "the window was skipped";
+}
+
 // Two flows (say, a stream and its replacement after a reconnect) step the same
 // sequence and layer alternately: the steps still run one per batch in the order
 // submitted, each over the rows of the ones before it.

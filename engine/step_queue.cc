@@ -18,7 +18,7 @@ uint64_t StepQueue::Arrival(const DecodeStep* step) {
   return reinterpret_cast<uint64_t>(step->engine_private);
 }
 
-absl::Status StepQueue::Push(DecodeStep* step, uint64_t shard_key) {
+absl::Status StepQueue::Push(DecodeStep* step, uint64_t shard_key, bool wake) {
   if (size_.fetch_add(1) >= capacity_) {
     size_.fetch_sub(1);
     return absl::ResourceExhaustedError("decode queue is full (" + std::to_string(capacity_) +
@@ -32,7 +32,7 @@ absl::Status StepQueue::Push(DecodeStep* step, uint64_t shard_key) {
     ++s.count;
     in_shards_.fetch_add(1);  // under the shard lock, so a drain never sees it negative
   }
-  if (consumer_waiting_.load()) {
+  if (wake && consumer_waiting_.load()) {
     absl::MutexLock lock(&wake_mu_);
     woken_ = true;
     wake_cv_.Signal();

@@ -19,8 +19,9 @@ class StepQueue {
   // capacity: steps queued at once over all shards; pushes beyond it fail at once.
   StepQueue(int capacity, int num_shards = 16);
 
-  // Never blocks on the consumer. RESOURCE_EXHAUSTED when full.
-  absl::Status Push(DecodeStep* step, uint64_t shard_key);
+  // Never blocks on the consumer. RESOURCE_EXHAUSTED when full. wake = false leaves a
+  // sleeping consumer asleep (a caller pushing several steps wakes it once, with Wake).
+  absl::Status Push(DecodeStep* step, uint64_t shard_key, bool wake = true);
 
   // Moves every queued step into out (appended), ordered by arrival. Returns the count.
   // Drained steps still count against the capacity until Done: the bound covers every
@@ -31,7 +32,7 @@ class StepQueue {
 
   // Blocks until a push happens or the deadline passes; returns true if steps are queued.
   bool WaitForWork(absl::Time deadline);
-  void Wake();  // wakes a waiting consumer (shutdown)
+  void Wake();  // wakes a waiting consumer (after pushes without wake; shutdown)
 
   // Steps accepted and not yet Done.
   int64_t size() const { return size_.load(std::memory_order_relaxed); }
