@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "server/client/client.h"
 #include "server/client/reference.h"
+#include "server/tools/round_trip.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
 ABSL_FLAG(int, sequences, 64, "sequences to create (N)");
@@ -50,6 +51,9 @@ ABSL_FLAG(int, connections, 8,
           "TCP connections the streams are spread over (each a client of its own, as separate "
           "clients would be)");
 ABSL_FLAG(bool, release, true, "release the sequences at the end");
+ABSL_FLAG(int, trace_every, 0,
+          "ask the server for StepTiming on every Nth step of each stream and print where the round trip "
+          "goes (0: never)");
 
 namespace latentd::loadgen {
 namespace {
@@ -59,6 +63,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Pending {
   Clock::time_point sent;
+  int64_t sent_unix_us = 0;  // for traced steps: the clock StepTiming uses
   int seq = 0;
   int layer = 0;
   int64_t end = 0;  // layer length after the step
@@ -71,6 +76,7 @@ struct Totals {
   std::vector<float> latency_us;  // merged at the end
   std::map<int, uint64_t> failures_by_code;
   std::string first_failure;
+  latentd::tools::RoundTripBreakdown breakdown;  // traced steps, merged at the end
 };
 
 // Sampled results are checked on their own thread so that a check (milliseconds of
@@ -191,6 +197,7 @@ int Main() {
   const int s_q = absl::GetFlag(FLAGS_s_q);
   const bool causal = absl::GetFlag(FLAGS_causal);
   const int window = std::max(1, absl::GetFlag(FLAGS_window));
+  const int trace_every = std::max(0, absl::GetFlag(FLAGS_trace_every));
   const double check_fraction = absl::GetFlag(FLAGS_check_fraction);
   const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_duration_s));
   if (n_seq < 1 || prefix < 0 || s_q < 1 || s_q > std::max(1, info.max_s_q())) {
@@ -290,6 +297,7 @@ int Main() {
       std::condition_variable cv;
       std::unordered_map<uint64_t, Pending> pending;
       std::vector<float> lat;
+      latentd::tools::RoundTripBreakdown traced;
       auto stream = conns[t % conns.size()]->OpenDecodeStream();
       std::thread reader([&] {
         v1::DecodeResponse resp;
@@ -314,6 +322,7 @@ int Main() {
             }
             ++totals.ok;
             lat.push_back(std::chrono::duration<float, std::micro>(now - p.sent).count());
+            if (r.has_timing()) traced.Add(p.sent_unix_us, r.timing(), absl::ToUnixMicros(absl::Now()));
             if (p.q_index >= 0) checker->Push({p.seq, p.layer, p.q_index, p.end, r});
           }
         }
@@ -342,7 +351,10 @@ int Main() {
         step->set_kv(kv_pool[pool_index]);
         if (ref) ref->Append(ids[mine[k]], layer, kv_pool[pool_index]);
         length[k][layer] += s_q;
-        Pending p{Clock::now(), mine[k], layer, length[k][layer], check ? pool_index : -1};
+        const bool trace = trace_every > 0 && counter % trace_every == 0;
+        step->set_trace(trace);
+        Pending p{Clock::now(), trace ? absl::ToUnixMicros(absl::Now()) : 0, mine[k], layer, length[k][layer],
+                  check ? pool_index : -1};
         {
           std::lock_guard<std::mutex> l(mu);
           pending[id] = p;
@@ -360,6 +372,7 @@ int Main() {
       }
       std::lock_guard<std::mutex> l(totals.mu);
       totals.latency_us.insert(totals.latency_us.end(), lat.begin(), lat.end());
+      totals.breakdown.Merge(traced);
     });
   }
 
@@ -397,6 +410,7 @@ int Main() {
   std::printf("steps: %lu ok, %lu failed; %.1f steps/s\n", static_cast<unsigned long>(totals.ok.load()),
               static_cast<unsigned long>(totals.failed.load()), ok_at_stop / elapsed);
   std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", p50, p90, p99, max);
+  totals.breakdown.Print(stdout);
   std::printf("checked %lu steps against the CPU implementation: %lu ok, %lu mismatched (%lu sampled but skipped: "
               "checker behind)\n",
               static_cast<unsigned long>(totals.checked.load()),

@@ -26,6 +26,7 @@
 #include "server/client/client.h"
 #include "server/client/reference.h"
 #include "server/tools/device_region.h"
+#include "server/tools/round_trip.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
 ABSL_FLAG(int, runners, 1, "concurrent model runners (R), one Decode stream each");
@@ -83,17 +84,6 @@ class Barrier {
   std::condition_variable cv_;
   int waiting_ = 0;
   uint64_t gen_ = 0;
-};
-
-// Phases of one round trip, from the client's send to its receipt of the result.
-constexpr int kPhases = 9;
-const char* const kPhaseNames[kPhases] = {
-    "client send -> server read",    "parse + validate",        "wait for stream room",
-    "engine queue (batch window)",   "stage (append, pack)",    "launch -> results on host",
-    "wait for rest of message",      "response build + queue",  "server write -> client read"};
-
-struct Sample {
-  int64_t t[kPhases + 1];  // client send, the eight StepTiming stamps, client receipt
 };
 
 struct Check {
@@ -173,7 +163,7 @@ class Checker {
 
 struct RunnerStats {
   std::vector<double> layer_us;
-  std::vector<Sample> samples;
+  tools::RoundTripBreakdown breakdown;
   uint64_t responses = 0, layers = 0, failed = 0;
   std::string first_error;
 };
@@ -428,10 +418,7 @@ int Main() {
                 checker.Push({ids[r][b], q_pool[q_of[b]], l, length[key], res});
               }
               if (measured && res.has_timing()) {
-                const v1::StepTiming& t = res.timing();
-                st.samples.push_back({{sent, t.received_us(), t.parsed_us(), t.submitted_us(), t.batched_us(),
-                                       t.launched_us(), t.finished_us(), t.completed_us(), t.response_us(),
-                                       received}});
+                st.breakdown.Add(sent, res.timing(), received);
               }
             }
           }
@@ -462,12 +449,12 @@ int Main() {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - measure_start);
 
   std::vector<double> all_layers;
-  std::vector<Sample> samples;
+  tools::RoundTripBreakdown breakdown;
   uint64_t responses = 0, layer_count = 0, failed = 0;
   std::string first_error;
   for (auto& st : stats) {
     all_layers.insert(all_layers.end(), st.layer_us.begin(), st.layer_us.end());
-    samples.insert(samples.end(), st.samples.begin(), st.samples.end());
+    breakdown.Merge(st.breakdown);
     responses += st.responses;
     layer_count += st.layers;
     failed += st.failed;
@@ -480,20 +467,7 @@ int Main() {
               static_cast<double>(layer_count) * B / std::max(seconds, 1e-9),
               layer_count ? static_cast<double>(responses) / static_cast<double>(layer_count) : 0.0,
               static_cast<unsigned long>(failed));
-  if (!samples.empty()) {
-    std::printf("server-side breakdown (median over %zu steps, microseconds):\n", samples.size());
-    double sum = 0;
-    for (int p = 0; p < kPhases; ++p) {
-      std::vector<double> d;
-      d.reserve(samples.size());
-      for (const Sample& s : samples)
-        if (s.t[p] != 0 && s.t[p + 1] != 0) d.push_back(static_cast<double>(s.t[p + 1] - s.t[p]));
-      const double med = Percentile(d, 0.5);
-      sum += med;
-      std::printf("  %-32s %9.1f\n", kPhaseNames[p], med);
-    }
-    std::printf("  %-32s %9.1f\n", "sum of medians", sum);
-  }
+  breakdown.Print(stdout);
   checker.Flush();
   std::printf("checked %lu results, mismatched %lu\n", static_cast<unsigned long>(checker.checked()),
               static_cast<unsigned long>(checker.mismatched()));
