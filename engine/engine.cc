@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine/attention_backend.h"
 #include "engine/batch.h"
+#include "engine/completion_pool.h"
 #include "engine/fair_queue.h"
 #include "engine/metrics.h"
 #include "engine/step_queue.h"
@@ -42,7 +43,12 @@ class EngineImpl final : public Engine {
         backend_(std::move(backend)),
         kv_(backend_->kv_config(), backend_->storage()),
         queue_(o.max_queue),
-        fair_(o.max_queue) {
+        fair_(o.max_queue),
+        // Room for every step that can be accepted at once (queued, in the two batches,
+        // refused at launch), so Push never waits in practice.
+        done_pool_(std::make_unique<CompletionPool>(
+            o.completion_threads, o.max_queue + 2 * o.max_batch_size,
+            [this](DecodeStep* s, const absl::Status& st) { RunCompletion(s, st); })) {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
     incoming_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
@@ -56,6 +62,7 @@ class EngineImpl final : public Engine {
     stop_.store(true);
     queue_.Wake();
     scheduler_.join();
+    done_pool_.reset();  // runs what the scheduler handed it, then stops its threads
   }
 
   EngineInfo Info() const override {
@@ -329,7 +336,12 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
 
+  // Hands a finished step to the completion threads, keyed by flow (a stream) so one
+  // flow's steps complete in order on one thread.
   void Complete(DecodeStep* step, const absl::Status& status) {
+    done_pool_->Push(step, status, step->flow != 0 ? step->flow : absl::HashOf(step->sequence_id));
+  }
+  void RunCompletion(DecodeStep* step, const absl::Status& status) {
     step->callback->StepDone(step, status);
     if (completed_.fetch_add(1) + 1 == accepted_.load()) SignalDone();
   }
@@ -557,6 +569,7 @@ class EngineImpl final : public Engine {
   std::atomic<uint64_t> accepted_{0}, completed_{0};
   absl::Mutex done_mu_;
   absl::CondVar done_cv_;
+  std::unique_ptr<CompletionPool> done_pool_;  // after everything RunCompletion reads
   std::thread scheduler_;
 };
 

@@ -48,6 +48,10 @@ struct EngineOptions {
   absl::Duration batch_window = absl::Microseconds(50);
   int max_s_q = 8;                  // largest s_q a step may carry
   int cpu_threads = 0;              // CPU backend threads, 0 = all
+  // Threads that run StepDone callbacks, so the scheduler does not answer each step of
+  // a batch itself before staging the next (engine/completion_pool.h); 0 = on the
+  // scheduler thread. Steps of one flow complete in order either way.
+  int completion_threads = 2;
   // Live sequences (forks included) before CreateSequence and ForkSequence fail
   // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.
   int64_t max_sequences = 0;

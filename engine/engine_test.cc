@@ -85,6 +85,9 @@ TEST_F(EngineTest, ConcurrentStepsMatchOracle) {
 // workspace's arrival counters are reused.
 TEST_F(EngineTest, FullBatchOfLongSequences) {
   EngineOptions o = Model(1, 16);
+  // Stalls the scheduler in a held completion (or reads completion order): only the
+  // scheduler's own completions do that (the pool keeps order within each flow only).
+  o.completion_threads = 0;
   o.kv_pages = 1200;
   o.batch_window = absl::Milliseconds(20);
   auto engine = Make(o);
@@ -106,6 +109,9 @@ TEST_F(EngineTest, FullBatchOfLongSequences) {
 
 TEST_F(EngineTest, MixedLayersAndQueryLengthsInOneBatch) {
   EngineOptions o = Model(2, 32, 2);
+  // Stalls the scheduler in a held completion (or reads completion order): only the
+  // scheduler's own completions do that (the pool keeps order within each flow only).
+  o.completion_threads = 0;
   o.batch_window = absl::Milliseconds(20);
   auto engine = Make(o);
   ASSERT_NE(engine, nullptr);
@@ -147,6 +153,9 @@ TEST_F(EngineTest, ForkedSequencesDiverge) {
 
 TEST_F(EngineTest, FifoUnderOverloadDoesNotStarve) {
   EngineOptions o = Model(1, 16);
+  // Completion order is what this test reads: only the scheduler's own completions
+  // keep the launch order across flows (the pool keeps it within each flow).
+  o.completion_threads = 0;
   o.max_batch_size = 4;
   o.batch_window = absl::ZeroDuration();
   auto engine = Make(o);
@@ -184,6 +193,9 @@ TEST_F(EngineTest, FifoUnderOverloadDoesNotStarve) {
 
 TEST_F(EngineTest, BackpressureRefusesAtOnce) {
   EngineOptions o = Model(1, 16);
+  // The scheduler itself stalls in the held completion, so the queue fills (with
+  // completion threads, their rings would take the launched steps first).
+  o.completion_threads = 0;
   o.max_queue = 8;
   o.max_batch_size = 2;
   o.batch_window = absl::ZeroDuration();
@@ -216,6 +228,9 @@ TEST_F(EngineTest, BackpressureRefusesAtOnce) {
 
 TEST_F(EngineTest, CancelledAndExpiredStepsAreDropped) {
   EngineOptions o = Model(1, 16);
+  // The scheduler itself stalls in the held completion, so the later steps are still
+  // queued when they are cancelled or expire.
+  o.completion_threads = 0;
   o.max_batch_size = 1;
   o.batch_window = absl::ZeroDuration();
   auto engine = Make(o);
@@ -422,6 +437,9 @@ void StallScheduler(Engine* engine, Harness& h, const std::string& seq) {
 // very next batch. Plain FIFO would run it after the whole flood.
 TEST_F(EngineTest, FloodFlowDoesNotDelaySteadyFlow) {
   EngineOptions o = Model(1, 16);
+  // Stalls the scheduler in a held completion (or reads completion order): only the
+  // scheduler's own completions do that (the pool keeps order within each flow only).
+  o.completion_threads = 0;
   o.max_batch_size = 64;
   o.batch_window = absl::ZeroDuration();
   auto engine = Make(o);
@@ -456,6 +474,9 @@ TEST_F(EngineTest, FloodFlowDoesNotDelaySteadyFlow) {
 // submitted everything first.
 TEST_F(EngineTest, EqualFlowsShareEachBatch) {
   EngineOptions o = Model(1, 16);
+  // Completion order is what this test reads: only the scheduler's own completions
+  // keep the launch order across flows (the pool keeps it within each flow).
+  o.completion_threads = 0;
   o.max_batch_size = 8;
   o.batch_window = absl::ZeroDuration();
   auto engine = Make(o);
@@ -613,6 +634,9 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
 
 TEST_F(EngineTest, SequenceLayerOrderHoldsAcrossFlows) {
   EngineOptions o = Model(2, 16);
+  // Completion order is what this test reads: only the scheduler's own completions
+  // keep the launch order across flows (the pool keeps it within each flow).
+  o.completion_threads = 0;
   o.batch_window = absl::ZeroDuration();
   auto engine = Make(o);
   ASSERT_NE(engine, nullptr);

@@ -79,6 +79,9 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
           "live sequences (forks included); CreateSequence and ForkSequence beyond fail RESOURCE_EXHAUSTED "
           "(0: no limit)");
 ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, completion_threads, 2,
+          "threads that answer finished steps (start their gRPC writes), so the scheduler stages the next "
+          "batch meanwhile; 0: the scheduler answers them itself");
 ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
@@ -268,6 +271,7 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   }
   o->max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o->max_queue = absl::GetFlag(FLAGS_max_queue);
+  o->completion_threads = absl::GetFlag(FLAGS_completion_threads);
   o->max_sequences = absl::GetFlag(FLAGS_max_sequences);
   if (o->max_sequences < 0) return "--max_sequences: expected >= 0 (0: no limit)";
   o->batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
@@ -275,6 +279,7 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   o->cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   if (o->max_batch_size < 1) return "--max_batch_size: expected at least 1";
   if (o->max_queue < 1) return "--max_queue: expected at least 1";
+  if (o->completion_threads < 0 || o->completion_threads > 64) return "--completion_threads: expected 0..64";
   if (o->max_s_q < 1) return "--max_s_q: expected at least 1";
   if (o->max_batch_tokens < o->max_s_q) return "--max_batch_tokens: expected at least --max_s_q";
   if (absl::GetFlag(FLAGS_batch_window_us) < 0) return "--batch_window_us: expected >= 0";
