@@ -51,7 +51,7 @@ struct EngineOptions {
   // Threads that run StepDone callbacks, so the scheduler does not answer each step of
   // a batch itself before staging the next (engine/completion_pool.h); 0 = on the
   // scheduler thread. Steps of one flow complete in order either way.
-  int completion_threads = 2;
+  int completion_threads = 4;
   // Live sequences (forks included) before CreateSequence and ForkSequence fail
   // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.
   int64_t max_sequences = 0;

@@ -79,7 +79,7 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
           "live sequences (forks included); CreateSequence and ForkSequence beyond fail RESOURCE_EXHAUSTED "
           "(0: no limit)");
 ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, completion_threads, 2,
+ABSL_FLAG(int, completion_threads, 4,
           "threads that answer finished steps (start their gRPC writes), so the scheduler stages the next "
           "batch meanwhile; 0: the scheduler answers them itself");
 ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
