@@ -57,6 +57,12 @@ extern "C" const char* __tsan_default_suppressions() {
       // interceptor state, so our OnDone (called further down the same stack) stays
       // checked. Seen in //tests/integration:stress_test (stream churn).
       "race:grpc::internal::InterceptorBatchMethodsImpl::~InterceptorBatchMethodsImpl\n"
+      // The same handoff for the Finish batch's status op: Finish stores the status
+      // message (CallOpServerSendStatus::ServerSendStatus) on the reactor's thread,
+      // and gRPC's executor destroys it with the call object in CallOnDone. Matched on
+      // gRPC's own destructor, so our OnDone stays checked.
+      // Seen in //tests/integration:errors_test (AppendKvReactor refusing a message).
+      "race:grpc::internal::CallOpServerSendStatus::~CallOpServerSendStatus\n"
       // recvmsg() on a polling thread fills a slice that an executor thread then
       // memcpy()s out (both inside libgrpc). Kept in case a Debian build makes libgrpc
       // look instrumented to ignore_noninstrumented_modules.
