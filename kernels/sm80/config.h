@@ -36,6 +36,9 @@ struct TileConfig<16> {
   static constexpr int kGroups = 1;       // groups of 4 warps, each owning kRows / kGroups rows
   static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
+  // Cooperative reduction: each warp sums one 8-key slice of the partial scores and runs
+  // the softmax on it; P goes through shared memory to the PV (below, the 64-row tile).
+  static constexpr bool kCoopReduce = false;
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
 };
@@ -53,20 +56,24 @@ struct TileConfig<32> {
   static constexpr int kGroups = 1;
   static constexpr int kQRegSteps = 0;
   static constexpr int kExchangePasses = 1;
+  static constexpr bool kCoopReduce = false;
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 4;
 };
 
 // 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
-// CTA of 256 threads, each group today's 32-row decomposition (dims split for QK^T,
+// CTA of 256 threads, each group the 32-row decomposition (dims split for QK^T,
 // columns for PV), sharing 32-key KV stages: every KV byte staged once serves 64 rows,
 // and Q is re-read every 32 keys instead of 16 (docs/kernel-tuning.md, round 7).
+// The partial scores are reduced cooperatively (round 10): warp w of a group sums only
+// keys 8w .. 8w+7 of the 32 (3 KB written and 3 KB read per warp instead of 3 x 8 KB
+// read), runs the softmax on that slice with the group's row maxima exchanged through
+// shared memory, and writes its slice of P, which every warp of the group then reads as
+// the PV's A operand. The exchanges synchronise only the group (named barriers).
 // One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
-// partial scores 16 KB = 160 KB: the scores go through in two passes of 16 keys, which
-// is also what keeps ptxas within 255 registers without spilling on sm_90 (one pass,
-// or three stages, spill). Built for SM90 only: for sm_80 ptxas spills one register
-// (kernels/BUILD.bazel), so A100-class GPUs keep the 32-row tile (docs/kernel-tuning.md,
-// round 7).
+// partial slices 24 KB + P 8 KB + row maxima and sums 1 KB = 177 KB. Built for SM90
+// only (kernels/BUILD.bazel): it is over A100's 163 KB per CTA, so A100-class GPUs keep
+// the 32-row tile.
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
@@ -75,7 +82,8 @@ struct TileConfig<64> {
   static constexpr bool kQInRegisters = false;
   static constexpr int kGroups = 2;
   static constexpr int kQRegSteps = 0;
-  static constexpr int kExchangePasses = 2;
+  static constexpr int kExchangePasses = 1;
+  static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;
   static constexpr int kFp8Stages = 4;  // not instantiated: FP8 caches use the 32-row tile
 };

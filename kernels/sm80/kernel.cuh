@@ -36,6 +36,11 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
+// Barrier `id` (1 + group) over the 128 threads of one group of 4 warps; barrier 0 is
+// __syncthreads.
+__device__ __forceinline__ void GroupSync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -496,6 +501,31 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     }
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
+  // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
+  // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a low
+  // bf16 part and multiplied twice (fp16's 11 bits need no split).
+  constexpr bool kSplitP = kDType == DType::kBF16;
+  // O[:, my 128 columns] += P[:, keys 16 kk .. 16 kk + 15] V[those keys, my columns],
+  // P as A fragments (pa, and pl its low part for bf16).
+  auto pv_kstep = [&](int kk, const uint32_t(&pa)[kMT][4], const uint32_t(&pl)[kSplitP ? kMT : 1][4],
+                      uint32_t kv_base) {
+    const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int np = 0; np < kVT / 2; ++np) {
+      uint32_t vb[4];
+      Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
+        Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+        if constexpr (kSplitP) {
+          Mma<kDType>(acc[mt][2 * np], pl[mt], vb[0], vb[1]);
+          Mma<kDType>(acc[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  };
+
   for (int t = 0; t < num_tiles; ++t) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
@@ -610,140 +640,253 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         }
       }
     }
-    // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
-    // bit-identical scores and run identical softmax arithmetic; a warp's own partial
-    // comes from its registers (the same bits it stored), so each warp reads 3 of the 4.
-    // The 64-row tile exchanges its 32 keys in two passes of 16 through one buffer,
-    // which is what lets Q stay whole in shared memory within A100's 163 KB.
-    constexpr int kPasses = Cfg::kExchangePasses, kPassNT = kNT / kPasses;
+    if constexpr (Cfg::kCoopReduce) {
+      // Cooperative reduction: warp w sums keys 8w .. 8w+7 of the 4 partials (its own
+      // from registers) and keeps only that slice, x. The other warps' slices of its
+      // partial go to shared memory for them.
+      static_assert(kNT == kWarps, "one 8-key slice per warp of the group");
+      const int bar = 1 + grp;
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      if (pass > 0) __syncthreads();  // every warp has read the previous pass
+      for (int j = 0; j < kNT; ++j) {
+        if (j == warp) continue;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int jj = 0; jj < kPassNT; ++jj) {
-          const int j = pass * kPassNT + jj;
-          *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
+        for (int mt = 0; mt < kMT; ++mt)
+          *reinterpret_cast<float4*>(&sm.s_part[grp][j][warp][mt][lane][0]) =
               make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
-        }
-      __syncthreads();
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int jj = 0; jj < kPassNT; ++jj) {
-          const int j = pass * kPassNT + jj;
-          const float4 own = make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
-          float4 v = own;
-          if (warp != 0) v = *reinterpret_cast<const float4*>(&sm.s_part[grp][0][mt][jj][lane][0]);
-#pragma unroll
-          for (int w = 1; w < kWarps; ++w) {
-            float4 u = own;
-            if (w != warp) u = *reinterpret_cast<const float4*>(&sm.s_part[grp][w][mt][jj][lane][0]);
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-          }
-          s[mt][j][0] = v.x;
-          s[mt][j][1] = v.y;
-          s[mt][j][2] = v.z;
-          s[mt][j][3] = v.w;
-        }
-    }
-
-    // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
-    const int key0 = key_begin + t * kN;
-    if (key0 + kN > lim_min) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
-            if (key >= row_limit[mt][e >> 1]) s[mt][j][e] = -INFINITY;
-          }
-    }
-
-    // Online softmax, once per kN keys. A quad of lanes holds one row.
-    bool rescale = false;
-    float alpha[kMT][2];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
-        alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
-        rescale |= m_new != m_run[mt][h];
-        m_run[mt][h] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = exp2f(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
-            s[mt][j][2 * h + e] = pv;
-            sum += pv;
-          }
-        l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], sum);
       }
-    if (__any_sync(0xffffffffu, rescale)) {
+      float x[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int j = 0; j < kVT; ++j)
+        for (int e = 0; e < 4; ++e)
+          x[mt][e] = warp == 0 ? s[mt][0][e] : warp == 1 ? s[mt][1][e] : warp == 2 ? s[mt][2][e] : s[mt][3][e];
+      GroupSync(bar);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
-    }
-
-    // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
-    // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
-    // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a
-    // low bf16 part and multiplied twice (fp16's 11 bits need no split).
-    constexpr bool kSplitP = kDType == DType::kBF16;
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const float* x0 = s[mt][2 * kk];
-        const float* x1 = s[mt][2 * kk + 1];
-        pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
-        pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
-        pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
-        pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
-        if constexpr (kSplitP) {
-          pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
-          pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
-          pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
-          pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
-        }
-      }
-      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-      for (int np = 0; np < kVT / 2; ++np) {
-        uint32_t vb[4];
-        Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
+      for (int src = 0; src < kWarps; ++src) {
+        if (src == warp) continue;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          Mma<kDType>(acc[mt][2 * np], pa[mt], vb[0], vb[1]);
-          Mma<kDType>(acc[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+          const float4 u = *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][src][mt][lane][0]);
+          x[mt][0] += u.x;
+          x[mt][1] += u.y;
+          x[mt][2] += u.z;
+          x[mt][3] += u.w;
+        }
+      }
+      const int key0 = key_begin + t * kN;
+      if (key0 + kN > lim_min) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + warp * 8 + (lane & 3) * 2 + (e & 1);
+            if (key >= row_limit[mt][e >> 1]) x[mt][e] = -INFINITY;
+          }
+      }
+      // The group's row maxima: each slice's, exchanged, combined by fmax (exact, so
+      // every warp of the group gets the same m and alpha).
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = fmaxf(x[mt][2 * h], x[mt][2 * h + 1]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          if ((lane & 3) == 0) sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = mx;
+        }
+      GroupSync(bar);
+      bool rescale = false;
+      float alpha[kMT][2];
+      constexpr int kPPlane = kGroupRows * kN;  // elements per P plane
+      uint16_t* p_tile = &sm.p[grp][0][0][0];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + (lane >> 2) + 8 * h;
+          const float4 m4 = *reinterpret_cast<const float4*>(&sm.row_max[grp][row][0]);
+          const float mx = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
+          const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
+          alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+          rescale |= m_new != m_run[mt][h];
+          m_run[mt][h] = m_new;
+          const float p0 = exp2f(fmaf(x[mt][2 * h], scale_log2, -m_use));
+          const float p1 = exp2f(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
+          l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], p0 + p1);
+          // (row / 2) % 4 is (lane / 8) % 4 for every m-tile and half.
+          const int off = row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
+          const uint32_t hi = Pack2<kDType>(p0, p1);
+          *reinterpret_cast<uint32_t*>(p_tile + off) = hi;
+          if constexpr (kSplitP) *reinterpret_cast<uint32_t*>(p_tile + kPPlane + off) = PackLowBf16(p0, p1, hi);
+        }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int j = 0; j < kVT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+      }
+      GroupSync(bar);  // the group's P is complete
+      const uint32_t p_base = SmemAddr(p_tile);
+#pragma unroll
+      for (int kk = 0; kk < kNT / 2; ++kk) {
+        uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          // (row / 2) % 4 is (lane / 2) % 4 for every m-tile.
+          const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = kk * 2 + (lane >> 4);
+          const uint32_t addr = p_base + (row * kN + ((chunk ^ ((lane >> 1) & 3)) << 3)) * 2;
+          Ldmatrix4(pa[mt], addr);
+          if constexpr (kSplitP) Ldmatrix4(pl[mt], addr + kPPlane * 2);
+        }
+        pv_kstep(kk, pa, pl, kv_base);
+      }
+    } else {
+      // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
+      // bit-identical scores and run identical softmax arithmetic; a warp's own partial
+      // comes from its registers (the same bits it stored), so each warp reads 3 of the 4.
+      // The 64-row tile exchanges its 32 keys in two passes of 16 through one buffer,
+      // which is what lets Q stay whole in shared memory within A100's 163 KB.
+      constexpr int kPasses = Cfg::kExchangePasses, kPassNT = kNT / kPasses;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if (pass > 0) __syncthreads();  // every warp has read the previous pass
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int jj = 0; jj < kPassNT; ++jj) {
+            const int j = pass * kPassNT + jj;
+            *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
+                make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+          }
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int jj = 0; jj < kPassNT; ++jj) {
+            const int j = pass * kPassNT + jj;
+            const float4 own = make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+            float4 v = own;
+            if (warp != 0) v = *reinterpret_cast<const float4*>(&sm.s_part[grp][0][mt][jj][lane][0]);
+#pragma unroll
+            for (int w = 1; w < kWarps; ++w) {
+              float4 u = own;
+              if (w != warp) u = *reinterpret_cast<const float4*>(&sm.s_part[grp][w][mt][jj][lane][0]);
+              v.x += u.x;
+              v.y += u.y;
+              v.z += u.z;
+              v.w += u.w;
+            }
+            s[mt][j][0] = v.x;
+            s[mt][j][1] = v.y;
+            s[mt][j][2] = v.z;
+            s[mt][j][3] = v.w;
+          }
+      }
+
+      // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
+      const int key0 = key_begin + t * kN;
+      if (key0 + kN > lim_min) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
+              if (key >= row_limit[mt][e >> 1]) s[mt][j][e] = -INFINITY;
+            }
+      }
+
+      // Online softmax, once per kN keys. A quad of lanes holds one row.
+      bool rescale = false;
+      float alpha[kMT][2];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
+          alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+          rescale |= m_new != m_run[mt][h];
+          m_run[mt][h] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = exp2f(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
+              s[mt][j][2 * h + e] = pv;
+              sum += pv;
+            }
+          l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], sum);
+        }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int j = 0; j < kVT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+      }
+
+      // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
+#pragma unroll
+      for (int kk = 0; kk < kNT / 2; ++kk) {
+        uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const float* x0 = s[mt][2 * kk];
+          const float* x1 = s[mt][2 * kk + 1];
+          pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
+          pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
+          pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
+          pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
           if constexpr (kSplitP) {
-            Mma<kDType>(acc[mt][2 * np], pl[mt], vb[0], vb[1]);
-            Mma<kDType>(acc[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+            pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
+            pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
+            pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
+            pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
           }
         }
+        pv_kstep(kk, pa, pl, kv_base);
       }
     }
   }
   CpAsyncWait<0>();
+
+  // Row sums: a quad of lanes holds a row's keys (of the warp's slice, with the
+  // cooperative reduction, whose slices' sums then go through shared memory and are
+  // added in one order by every warp of the group).
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 1);
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 2);
+    }
+  if constexpr (Cfg::kCoopReduce) {
+    if ((lane & 3) == 0)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = l_run[mt][h];
+    GroupSync(1 + grp);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 l4 = *reinterpret_cast<const float4*>(&sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][0]);
+        l_run[mt][h] = ((l4.x + l4.y) + l4.z) + l4.w;
+      }
+  }
 
   // Epilogue: normalise and write out/lse directly, or the partition's partials.
   const int rows_total = p.h_q * p.s_q;
@@ -751,9 +894,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float l = l_run[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = l_run[mt][h];
       const int row = row0 + grow0 + mt * 16 + (lane >> 2) + 8 * h;
       if (row >= rows_kv) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;

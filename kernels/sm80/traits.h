@@ -10,7 +10,7 @@
 
 namespace latentd::kernels::sm80 {
 
-template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters>
+template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters, bool kCoop = TileConfig<kRows>::kCoopReduce>
 struct SharedMemoryPlan {
   using Cfg = TileConfig<kRows>;
   // 16-byte chunks of Q per row kept in shared memory: each warp's 9 k-steps of 16 dims,
@@ -34,6 +34,31 @@ struct SharedMemoryPlan<kRows, false> {
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
+// The cooperative reduction (TileConfig::kCoopReduce): KV and Q as above; warp w of a
+// group reduces the scores of keys 8w .. 8w+7 of a tile, so the other warps leave it
+// their partials of those keys, and it writes that slice of P for all of the group.
+template <int kRows>
+struct SharedMemoryPlan<kRows, true, true> {
+  using Cfg = TileConfig<kRows>;
+  static constexpr int kGroupRows = kRows / Cfg::kGroups;
+  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;
+  static_assert(Cfg::kKeys == 8 * kWarps, "one 8-key slice per warp of a group");
+  uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
+  uint16_t q[kRows][kQChunks * 8];
+  // [group][slice (its reducing warp)][source warp][m-tile][lane] x 4 floats in
+  // accumulator order, read back lane-for-lane (conflict-free). A reducer's own slot is
+  // unused: 8 KB more than packing 3 sources, for addresses that are one base register
+  // plus constants.
+  float s_part[Cfg::kGroups][kWarps][kWarps][kGroupRows / 16][32][4];
+  // P as 16-bit values, [group][high, low part (bf16 split)][row][key]; a row's four
+  // 16-byte chunks XOR-swizzled by (row / 2) % 4, so that both the slice stores and the
+  // ldmatrix reads of 8 rows fall in 8 different bank groups.
+  uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
+  // Per row, each slice's score maximum of the tile, and (in the epilogue) its sum of P.
+  float row_max[Cfg::kGroups][kGroupRows][kWarps];
+  float row_sum[Cfg::kGroups][kGroupRows][kWarps];
+};
+
 // FP8 cache (kernels/kv_fp8.h): raw 656-byte rows stream through a ring of kFp8Stages
 // stages; each lands tile is dequantized once into the one 16-bit tile the mma loops
 // read. Rows are half the bytes, so the ring keeps more tiles (and more bytes) in
@@ -49,7 +74,7 @@ struct Fp8SharedMemoryPlan {
 };
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
-// tiles, and the 64-row tile must fit A100's 163 KB per CTA.
+// tiles; the 64-row tile (SM90 machine code only) must fit SM90's 227 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
 static_assert(sizeof(SharedMemoryPlan<64>) <= 227 * 1024, "64-row tile: within SM90's 227 KB per CTA (SM90 only, kernels/BUILD.bazel)");
