@@ -221,7 +221,9 @@ TEST(GpuDecode, SweepFp16) {
 // and not, lengths from empty to past a page edge, h_kv 1 and 2, with and without
 // split-K (forced 64-key partitions: the combine kernel; 128: fused up to 2). Once with
 // the planner's tiles, and (where the 64-row tile exists) once with the 64-row tile
-// forced on every shape, h_q 32 included: a tile whose second group has no rows.
+// forced on every shape, h_q 32 included: a tile whose second group has no rows. Each
+// shape twice: normal data, and keys whose scores keep rising (the softmax's running
+// max moves after the first tile: the 64-row tile's exchange of maxima, round 10).
 TEST(GpuDecode, ComputeTileSweep) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(17);
@@ -229,6 +231,7 @@ TEST(GpuDecode, ComputeTileSweep) {
   std::vector<int> forced = {0};
   if (TheGpu().dev.cc_major == 9) forced.push_back(64);
   for (int tile : forced)
+  for (bool rising : {false, true})
   for (DType dt : {DType::kBF16, DType::kFP16})
     for (int hq : {32, 64, 128})
       for (int s_q = 1; s_q <= 8; ++s_q)
@@ -243,6 +246,7 @@ TEST(GpuDecode, ComputeTileSweep) {
           s.s_q = s_q;
           s.causal = causal;
           s.seqlens = {0, 64 + s_q, 200};
+          s.rising_keys = rising;
           for (int kps : {0, 64, 128}) {
             ++n;
             if (!Check(s, rng, kps)) ++failed;
@@ -251,6 +255,37 @@ TEST(GpuDecode, ComputeTileSweep) {
   g_force_tile = 0;
   std::printf("compute tile sweep: %d problems, %d failed\n", n, failed);
   EXPECT_EQ(failed, 0);
+}
+
+// A few shapes of the 64-row tile, forced: small enough to run under compute-sanitizer
+// (memcheck, racecheck, synccheck). Covers a tile whose second group has no rows, h_kv
+// 2, causal s_q 2 and 3, an empty sequence, page edges, the fused combine and the
+// combine kernel, and rising scores (the exchange of maxima after the first tile).
+TEST(GpuDecode, Tile64Edges) {
+  SKIP_WITHOUT_GPU();
+  if (TheGpu().dev.cc_major != 9) GTEST_SKIP() << "the 64-row tile has SM90 machine code only";
+  std::mt19937_64 rng(23);
+  g_force_tile = 64;
+  struct Case {
+    int hq, hkv, s_q;
+    bool causal, rising;
+    int kps;
+  } cases[] = {{32, 1, 1, false, false, 0}, {128, 1, 2, true, true, 0}, {128, 2, 3, true, false, 64},
+               {64, 1, 1, false, true, 128}, {128, 1, 1, false, true, 64}};
+  for (const Case& c : cases)
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      ProblemShape s;
+      s.dtype = dt;
+      s.batch = 3;
+      s.h_q = c.hq;
+      s.h_kv = c.hkv;
+      s.s_q = c.s_q;
+      s.causal = c.causal;
+      s.rising_keys = c.rising;
+      s.seqlens = {0, 65, 300};
+      Check(s, rng, c.kps);
+    }
+  g_force_tile = 0;
 }
 
 // The FP8 cache on every tile (16, 32, 64 rows per KV head) and split configuration:

@@ -118,6 +118,14 @@ inline constexpr int kMaxFusedStreams = 4096;
 #endif
 inline constexpr int kL2PrefetchTiles = LATENTD_L2_PREFETCH_TILES;
 
+// 64-row tile: a tile's P is computed against the running row max as it stands, with
+// no exchange of maxima, while no score is above it by more than 2^this (log2 units;
+// 0: always exchange); docs/kernel-tuning.md, round 10.
+#ifndef LATENTD_LAZY_MAX_LOG2  // overridable only to build tuning variants
+#define LATENTD_LAZY_MAX_LOG2 8
+#endif
+inline constexpr float kLazyMaxLog2 = LATENTD_LAZY_MAX_LOG2;
+
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};
 inline constexpr int kNumTileConfigs = 3;

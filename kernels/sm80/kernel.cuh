@@ -41,6 +41,16 @@ __device__ __forceinline__ void PrefetchL2(const void* p) {
 __device__ __forceinline__ void GroupSync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
+// The same barrier, returning whether `v` was true in any of the group's threads.
+__device__ __forceinline__ bool GroupAny(int id, bool v) {
+  int r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.s32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(int(v)), "r"(id), "n"(kThreads)
+      : "memory");
+  return r != 0;
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -683,52 +693,83 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
             if (key >= row_limit[mt][e >> 1]) x[mt][e] = -INFINITY;
           }
       }
-      // The group's row maxima: each slice's, exchanged, combined by fmax (exact, so
-      // every warp of the group gets the same m and alpha).
+      // This slice's row maxima (a quad of lanes holds a row), published for the
+      // exchange below; the barrier that follows (the vote's, or the exchange's) makes
+      // them visible to the group.
+      float mx[kMT][2];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float mx = fmaxf(x[mt][2 * h], x[mt][2 * h + 1]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          if ((lane & 3) == 0) sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = mx;
+          float m = fmaxf(x[mt][2 * h], x[mt][2 * h + 1]);
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          mx[mt][h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          if ((lane & 3) == 0) sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = mx[mt][h];
         }
-      GroupSync(bar);
-      bool rescale = false;
-      float alpha[kMT][2];
       constexpr int kPPlane = kGroupRows * kN;  // elements per P plane
       uint16_t* p_tile = &sm.p[grp][0][0][0];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = mt * 16 + (lane >> 2) + 8 * h;
-          const float4 m4 = *reinterpret_cast<const float4*>(&sm.row_max[grp][row][0]);
-          const float mx = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
-          const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
-          alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
-          rescale |= m_new != m_run[mt][h];
-          m_run[mt][h] = m_new;
-          const float p0 = exp2f(fmaf(x[mt][2 * h], scale_log2, -m_use));
-          const float p1 = exp2f(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
-          l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], p0 + p1);
-          // (row / 2) % 4 is (lane / 8) % 4 for every m-tile and half.
-          const int off = row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
-          const uint32_t hi = Pack2<kDType>(p0, p1);
-          *reinterpret_cast<uint32_t*>(p_tile + off) = hi;
-          if constexpr (kSplitP) *reinterpret_cast<uint32_t*>(p_tile + kPPlane + off) = PackLowBf16(p0, p1, hi);
-        }
-      if (__any_sync(0xffffffffu, rescale)) {
+      // Writes this slice's P for (m-tile, half) against max m_use; returns its row sum.
+      auto store_p = [&](int mt, int h, float m_use) {
+        const float p0 = exp2f(fmaf(x[mt][2 * h], scale_log2, -m_use));
+        const float p1 = exp2f(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
+        // (row / 2) % 4 is (lane / 8) % 4 for every m-tile and half.
+        const int row = mt * 16 + (lane >> 2) + 8 * h;
+        const int off = row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
+        const uint32_t hi = Pack2<kDType>(p0, p1);
+        *reinterpret_cast<uint32_t*>(p_tile + off) = hi;
+        if constexpr (kSplitP) *reinterpret_cast<uint32_t*>(p_tile + kPPlane + off) = PackLowBf16(p0, p1, hi);
+        return p0 + p1;
+      };
+      bool exchange = true;
+      if constexpr (kLazyMaxLog2 > 0) {
+        // P against the running max as it stands; kept, with no rescale, when no slice's
+        // max of any row is above it by more than 2^kLazyMaxLog2 (so P stays small
+        // enough for 16 bits and for l). The vote's barrier also completes P.
+        bool over = false;
+        float sum[kMT][2];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-          for (int j = 0; j < kVT; ++j)
+          for (int h = 0; h < 2; ++h) {
+            over |= mx[mt][h] * scale_log2 > m_run[mt][h] + kLazyMaxLog2;
+            sum[mt][h] = store_p(mt, h, m_run[mt][h] == -INFINITY ? 0.f : m_run[mt][h]);
+          }
+        exchange = GroupAny(bar, over);
+        if (!exchange)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+          for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l_run[mt][h] += sum[mt][h];
       }
-      GroupSync(bar);  // the group's P is complete
+      if (exchange) {
+        // The group's row maxima: each slice's, exchanged, combined by fmax (exact, so
+        // every warp of the group gets the same m and alpha). After a vote, its barrier
+        // has already made them visible.
+        if constexpr (kLazyMaxLog2 <= 0) GroupSync(bar);
+        bool rescale = false;
+        float alpha[kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float4 m4 = *reinterpret_cast<const float4*>(&sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][0]);
+            const float m_new = fmaxf(m_run[mt][h], fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * scale_log2);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
+            alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+            rescale |= m_new != m_run[mt][h];
+            m_run[mt][h] = m_new;
+            l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], store_p(mt, h, m_use));
+          }
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int j = 0; j < kVT; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+        }
+        GroupSync(bar);  // the group's P is complete
+      }
       const uint32_t p_base = SmemAddr(p_tile);
 #pragma unroll
       for (int kk = 0; kk < kNT / 2; ++kk) {

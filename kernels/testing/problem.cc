@@ -80,8 +80,9 @@ Problem MakeProblem(const ProblemShape& shape, std::mt19937_64& rng) {
     for (int t = 0; t < len; ++t) {
       const int page = pr.block_table[size_t(i) * pr.max_pages_per_seq + t / kPageSize];
       uint16_t* row = pr.kv.data() + size_t(page) * page_elems + size_t(t % kPageSize) * shape.h_kv * kHeadDimQK;
+      const float gain = shape.rising_keys ? 1.f + t / 16.f : 1.f;
       for (int e = 0; e < shape.h_kv * kHeadDimQK; ++e)
-        row[e] = FloatToHalf(dt, shape.heavy_tailed ? normal(rng) * std::exp(normal(rng)) : normal(rng));
+        row[e] = FloatToHalf(dt, gain * (shape.heavy_tailed ? normal(rng) * std::exp(normal(rng)) : normal(rng)));
     }
   }
   if (shape.kv_dtype == KvDType::kFp8E4M3) {
@@ -207,7 +208,7 @@ Comparison Compare(const Problem& pr, const std::vector<uint16_t>& out, const st
 std::string Describe(const ProblemShape& s) {
   std::ostringstream m;
   m << DTypeName(s.dtype) << (s.kv_dtype == KvDType::kFp8E4M3 ? " kv fp8_e4m3" : "")
-    << (s.heavy_tailed ? " heavy-tailed" : "") << " b=" << s.batch << " s_q=" << s.s_q << " h_q=" << s.h_q << " h_kv=" << s.h_kv
+    << (s.heavy_tailed ? " heavy-tailed" : "") << (s.rising_keys ? " rising" : "") << " b=" << s.batch << " s_q=" << s.s_q << " h_q=" << s.h_q << " h_kv=" << s.h_kv
     << " causal=" << s.causal << " seqlens=[";
   for (size_t i = 0; i < s.seqlens.size() && i < 8; ++i) m << (i ? "," : "") << s.seqlens[i];
   if (s.seqlens.size() > 8) m << ",...";
