@@ -74,6 +74,23 @@ TEST(CpuMlaDecode, HeadGroupings) {
   }
 }
 
+// Scores that keep rising along the sequence (the running max moves block after block).
+TEST(CpuMlaDecode, RisingScores) {
+  std::mt19937_64 rng(5);
+  CpuMlaDecoder dec(2);
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    ProblemShape s;
+    s.dtype = dt;
+    s.batch = 3;
+    s.h_q = 128;
+    s.s_q = 2;
+    s.causal = true;
+    s.rising_keys = true;
+    s.seqlens = {0, 65, 300};
+    CheckShape(s, dec, rng);
+  }
+}
+
 TEST(CpuMlaDecode, SplitKMatchesReference) {
   std::mt19937_64 rng(3);
   CpuMlaDecoder dec(2);

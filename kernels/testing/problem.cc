@@ -80,9 +80,10 @@ Problem MakeProblem(const ProblemShape& shape, std::mt19937_64& rng) {
     for (int t = 0; t < len; ++t) {
       const int page = pr.block_table[size_t(i) * pr.max_pages_per_seq + t / kPageSize];
       uint16_t* row = pr.kv.data() + size_t(page) * page_elems + size_t(t % kPageSize) * shape.h_kv * kHeadDimQK;
-      const float gain = shape.rising_keys ? 1.f + t / 16.f : 1.f;
+      const float rope_gain = shape.rising_keys ? 1.f + t / 4.f : 1.f;
       for (int e = 0; e < shape.h_kv * kHeadDimQK; ++e)
-        row[e] = FloatToHalf(dt, gain * (shape.heavy_tailed ? normal(rng) * std::exp(normal(rng)) : normal(rng)));
+        row[e] = FloatToHalf(dt, (e % kHeadDimQK >= kHeadDimV ? rope_gain : 1.f) *
+                                     (shape.heavy_tailed ? normal(rng) * std::exp(normal(rng)) : normal(rng)));
     }
   }
   if (shape.kv_dtype == KvDType::kFp8E4M3) {

@@ -23,8 +23,9 @@ struct ProblemShape {
   int extra_pages = 3;       // unowned pages (NaN) beyond what the sequences need
   KvDType kv_dtype = KvDType::kModel;  // fp8: the cache is kv quantized (kernels/kv_fp8.h)
   bool heavy_tailed = false;  // KV values normal x exp(normal): a few large outliers per block
-  // Key t's values scaled by 1 + t/16: scores whose maximum keeps rising along the
-  // sequence, so the online softmax rescales again and again after the first tile.
+  // Key t's rope values (not V) scaled by 1 + t/4: scores whose maximum keeps rising
+  // along the sequence, so the online softmax rescales again and again after the first
+  // tile, with V (and so the outputs) at the usual scale.
   bool rising_keys = false;
 };
 
