@@ -40,16 +40,14 @@ struct TileKernels {
   }
   static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, const DecodeArgs& args, cudaStream_t stream) {
     constexpr KvDType kFp8 = KvDType::kFp8E4M3;
-    if constexpr (kRows == 64) {
-      if (kv_dtype == kFp8) return cudaErrorInvalidValue;  // no fp8 64-row kernel (ChooseTileRows)
-    } else if (kv_dtype == kFp8 && ring)
-      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8, true>::Launch(args, stream)
-                                   : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
-    if constexpr (kRows != 64) {
-      if (kv_dtype == kFp8)
-        return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
-                                     : Decoder<DType::kFP16, kRows, kFp8>::Launch(args, stream);
+    if constexpr (kRows != 64) {  // the 64-row tile has no raw-row ring (DecodePlan::fp8_ring)
+      if (kv_dtype == kFp8 && ring)
+        return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8, true>::Launch(args, stream)
+                                     : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
     }
+    if (kv_dtype == kFp8)
+      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
+                                   : Decoder<DType::kFP16, kRows, kFp8>::Launch(args, stream);
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Launch(args, stream)
                                  : Decoder<DType::kFP16, kRows>::Launch(args, stream);
   }
@@ -163,9 +161,6 @@ int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p) {
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const int tile = TileRowsFor(rows);
   if (tile != 64) return tile;
-  // An FP8 cache keeps the 32-row tile: the 64-row tile's 255 registers leave nothing
-  // for the dequantization, and ptxas spills (docs/kernel-tuning.md, round 8).
-  if (p.kv_dtype == KvDType::kFp8E4M3) return 32;
   const int64_t streams = int64_t(p.batch) * p.h_kv * ((rows + 63) / 64);
   if (streams * 8 < dev.sm_count || !Has64(dev.device)) return 32;
   return 64;
@@ -320,8 +315,6 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (dev.sm_count < 1) return Status::Invalid("dev: expected a DeviceInfo filled by QueryDevice");
   DecodePlan r;
   if (tile_rows != 0 && TileIndex(tile_rows) < 0) return Status::Invalid("tile_rows: expected 0, 16, 32 or 64");
-  if (tile_rows == 64 && p.kv_dtype == KvDType::kFp8E4M3)
-    return Status::Invalid("tile_rows: 64 has no fp8_e4m3 kernel; expected 0, 16 or 32");
   r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(dev, p);
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;

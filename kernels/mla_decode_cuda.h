@@ -39,7 +39,8 @@ struct DecodePlan {
   // FP8 cache: false (PlanDecode's choice) dequantizes each tile in place in its stage;
   // true runs the raw-row ring variant (more shared memory, more bytes in flight),
   // selectable for benchmarks and tests until it is measured (docs/kernel-tuning.md,
-  // round 8). Ignored for 16-bit caches.
+  // round 8). Ignored for 16-bit caches and by the 64-row tile, which has only the
+  // in-place pipeline (the ring's own stages do not fit beside its 185 KB).
   bool fp8_ring = false;
 };
 

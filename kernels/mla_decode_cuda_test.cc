@@ -260,7 +260,8 @@ TEST(GpuDecode, ComputeTileSweep) {
 // A few shapes of the 64-row tile, forced: small enough to run under compute-sanitizer
 // (memcheck, racecheck, synccheck). Covers a tile whose second group has no rows, h_kv
 // 2, causal s_q 2 and 3, an empty sequence, page edges, the fused combine and the
-// combine kernel, and rising scores (the exchange of maxima after the first tile).
+// combine kernel, rising scores (the exchange of maxima after the first tile), and
+// 16-bit and FP8 caches.
 TEST(GpuDecode, Tile64Edges) {
   SKIP_WITHOUT_GPU();
   if (TheGpu().dev.cc_major != 9) GTEST_SKIP() << "the 64-row tile has SM90 machine code only";
@@ -273,9 +274,11 @@ TEST(GpuDecode, Tile64Edges) {
   } cases[] = {{32, 1, 1, false, false, 0}, {128, 1, 2, true, true, 0}, {128, 2, 3, true, false, 64},
                {64, 1, 1, false, true, 128}, {128, 1, 1, false, true, 64}};
   for (const Case& c : cases)
+    for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
     for (DType dt : {DType::kBF16, DType::kFP16}) {
       ProblemShape s;
       s.dtype = dt;
+      s.kv_dtype = kv;
       s.batch = 3;
       s.h_q = c.hq;
       s.h_kv = c.hkv;

@@ -85,7 +85,7 @@ struct TileConfig<64> {
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;
-  static constexpr int kFp8Stages = 4;  // not instantiated: FP8 caches use the 32-row tile
+  static constexpr int kFp8Stages = 4;  // no ring: FP8 caches dequantize in place here
 };
 
 // Threads per CTA of a tile configuration.
