@@ -82,14 +82,18 @@ const void* KernelOf(DType dtype, int tile_rows) {
   }
 }
 
-int SmemOf(int tile_rows) {
+// Dynamic shared memory of a tile's kernel for a 16-bit cache, or for an FP8 cache's
+// default pipeline (the 64-row tile's adds a raw-row ring: TileConfig::kFp8DequantAhead).
+int SmemOf(int tile_rows, KvDType kv_dtype = KvDType::kModel) {
+  constexpr KvDType kFp8 = KvDType::kFp8E4M3;
+  const bool fp8 = kv_dtype == kFp8;
   switch (tile_rows) {
     case 16:
-      return Decoder<DType::kBF16, 16>::SmemBytes();
+      return fp8 ? Decoder<DType::kBF16, 16, kFp8>::SmemBytes() : Decoder<DType::kBF16, 16>::SmemBytes();
     case 32:
-      return Decoder<DType::kBF16, 32>::SmemBytes();
+      return fp8 ? Decoder<DType::kBF16, 32, kFp8>::SmemBytes() : Decoder<DType::kBF16, 32>::SmemBytes();
     case 64:
-      return Decoder<DType::kBF16, 64>::SmemBytes();
+      return fp8 ? Decoder<DType::kBF16, 64, kFp8>::SmemBytes() : Decoder<DType::kBF16, 64>::SmemBytes();
     default:
       return 0;
   }
@@ -319,7 +323,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
   r.threads = ThreadsOf(r.tile_rows);
-  r.smem_bytes = SmemOf(r.tile_rows);
+  r.smem_bytes = SmemOf(r.tile_rows, p.kv_dtype);
   s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
   if (!s.ok()) return s;
   int max_len = 0;

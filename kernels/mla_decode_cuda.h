@@ -39,8 +39,9 @@ struct DecodePlan {
   // FP8 cache: false (PlanDecode's choice) dequantizes each tile in place in its stage;
   // true runs the raw-row ring variant (more shared memory, more bytes in flight),
   // selectable for benchmarks and tests until it is measured (docs/kernel-tuning.md,
-  // round 8). Ignored for 16-bit caches and by the 64-row tile, which has only the
-  // in-place pipeline (the ring's own stages do not fit beside its 185 KB).
+  // round 8). Ignored for 16-bit caches and by the 64-row tile, which has one FP8
+  // pipeline: raw rows in a 2-stage ring, each tile dequantized during the PV loop of
+  // the tile before (round 11).
   bool fp8_ring = false;
 };
 

@@ -41,6 +41,9 @@ struct TileConfig<16> {
   static constexpr bool kCoopReduce = false;
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
+  // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
+  // own, instead of in place between a tile's arrival and its mma loops (below).
+  static constexpr bool kFp8DequantAhead = false;
 };
 
 // Many rows (> 16): compute-heavy. 32 rows, because the fp32 output accumulator of a
@@ -59,6 +62,7 @@ struct TileConfig<32> {
   static constexpr bool kCoopReduce = false;
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 4;
+  static constexpr bool kFp8DequantAhead = false;
 };
 
 // 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
@@ -74,6 +78,9 @@ struct TileConfig<32> {
 // partial slices 24 KB + P 8 KB + row maxima and sums 1 KB = 177 KB. Built for SM90
 // only (kernels/BUILD.bazel): it is over A100's 163 KB per CTA, so A100-class GPUs keep
 // the 32-row tile.
+#ifndef LATENTD_FP8_DEQUANT_AHEAD  // overridable only to build tuning variants
+#define LATENTD_FP8_DEQUANT_AHEAD true
+#endif
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
@@ -85,7 +92,11 @@ struct TileConfig<64> {
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;
-  static constexpr int kFp8Stages = 4;  // no ring: FP8 caches dequantize in place here
+  static constexpr int kFp8Stages = 4;  // unused: no raw-row ring variant of this tile
+  // FP8 cache: raw rows land in a 2-stage ring of their own (41 KB more shared memory);
+  // tile t+1 is dequantized into the other 16-bit stage between tile t's PV mma, whose
+  // issue slots are two-thirds idle (round 11), so the conversion costs no barriers.
+  static constexpr bool kFp8DequantAhead = LATENTD_FP8_DEQUANT_AHEAD;
 };
 
 // Threads per CTA of a tile configuration.

@@ -314,10 +314,16 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   using namespace detail;
   using Cfg = TileConfig<kRows>;
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
-  using Plan = std::conditional_t<kFp8Ring, Fp8SharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>;
+  // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
+  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && Cfg::kFp8DequantAhead;
+  using Plan = std::conditional_t<kFp8Ring, Fp8SharedMemoryPlan<kRows>,
+                                  std::conditional_t<kFp8Ahead, Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : Cfg::kStages;  // copies in flight + 1
+  // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
+  // ahead (tile t+1 must have landed while tile t is computed).
+  constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
   constexpr int kGroupRows = kRows / Cfg::kGroups;
   constexpr int kMT = kGroupRows / 16;  // m16 tiles per warp (each warp covers its group's rows)
   constexpr int kNT = kN / 8;           // n8 score tiles per KV tile
@@ -384,7 +390,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       const auto* kv8 = static_cast<const uint8_t*>(p.kv);
       const uint8_t* base8 = kv8 + int64_t(page) * p.kv_page_stride + kv_head_off;
       uint32_t dst0;
-      if constexpr (kFp8Ring) {
+      if constexpr (kFp8Ring || kFp8Ahead) {
         dst0 = SmemAddr(&sm.raw[s][0][0]);
       } else {
         dst0 = SmemAddr(&sm.kv[s][0][0]) + kRawOffset;
@@ -457,13 +463,53 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Pipeline prologue. Q's copies (shared-memory Q) join the first group; Q in registers
   // is loaded after the first KV copies are in flight.
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s, page_of(s));
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < num_tiles) load_tile(s, s % kStages, page_of(s));
     CpAsyncCommit();
   }
   // Page of the next tile to copy, read one iteration ahead so the block-table load is
   // off the copy-issue path.
-  int next_page = kStages - 1 < num_tiles ? page_of(kStages - 1) : 0;
+  int next_page = kAhead < num_tiles ? page_of(kAhead) : 0;
+
+  // Dequantizing ahead: part `part` (0-8) of a thread's share of raw stage `st` into
+  // 16-bit stage `st`. Parts 0-7: 8 latent values (half a scale block's 16-byte chunk)
+  // of key warp + 8 (part / 2), output chunk lane + 32 (part % 2), so a warp reads 256
+  // contiguous raw bytes and writes 32 whole chunks of one row (conflict-free); part 8:
+  // one 16-byte chunk of the rope values, copied. 8 warps x 4 keys = the 32 keys.
+  static_assert(!kFp8Ahead || (kCta == 256 && kN == 32), "dequantization ahead: 8 warps over 32-key tiles");
+  auto dequant_part = [&](int part, int st) {
+    if constexpr (kFp8Ahead) {
+      const uint8_t* raw = &sm.raw[st][0][0];
+      uint16_t* dst = &sm.kv[st][0][0];
+      if (part < 8) {
+        const int key = (tid >> 5) + 8 * (part >> 1), c = lane + 32 * (part & 1);
+        const uint8_t* row = raw + key * kFp8RowBytes;
+        const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
+        const uint32_t sp = Fp8ScalePair<kDType>(
+            *reinterpret_cast<const uint32_t*>(row + kFp8ScaleOffset + (c * 8 / kFp8BlockValues) * 4));
+        uint4 o;
+        o.x = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(codes.x, 0u, 0x1404)), sp);
+        o.y = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(codes.x, 0u, 0x3424)), sp);
+        o.z = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(codes.y, 0u, 0x1404)), sp);
+        o.w = Fma2NegZero<kDType>(E4m3PairBits<kDType>(__byte_perm(codes.y, 0u, 0x3424)), sp);
+        *reinterpret_cast<uint4*>(dst + Swizzle(key, c)) = o;
+      } else {
+        const int key = tid >> 3, c = tid & 7;
+        *reinterpret_cast<uint4*>(dst + Swizzle(key, kHeadDimV / 8 + c)) =
+            *reinterpret_cast<const uint4*>(raw + key * kFp8RowBytes + kFp8RopeOffset + c * 16);
+      }
+    }
+  };
+  if constexpr (kFp8Ahead) {
+    // Tile 0 (and Q) landed: dequantize it before the loop; the loop's first barrier
+    // publishes it.
+    CpAsyncWait<kAhead - 1>();
+    __syncthreads();
+    if (num_tiles > 0)
+#pragma unroll
+      for (int part = 0; part < 9; ++part) dequant_part(part, 0);
+  }
+  int ahead_stage = 1;  // the 16-bit stage tile t+1 is dequantized into during tile t
 
   // Q in registers: this warp's first kRegSteps k-steps in A-fragment order.
   if constexpr (kRegSteps > 0) {
@@ -522,6 +568,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int np = 0; np < kVT / 2; ++np) {
+      if constexpr (kFp8Ahead) {
+        // Tile t+1's dequantization between the mma: parts 0-7 on even steps of the 16,
+        // the rope copy on the last.
+        static_assert(kVT == 16 && kNT == 4, "16 PV steps per tile");
+        const int step = kk * (kVT / 2) + np;
+        if (step % 2 == 0) dequant_part(step / 2, ahead_stage);
+        if (step == 15) dequant_part(8, ahead_stage);
+      }
       uint32_t vb[4];
       Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
 #pragma unroll
@@ -537,11 +591,16 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   };
 
   for (int t = 0; t < num_tiles; ++t) {
-    CpAsyncWait<kStages - 2>();
+    // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
+    // this tile); otherwise tile t's.
+    CpAsyncWait<kFp8Ahead ? 0 : kStages - 2>();
     __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
-    if (t + kStages - 1 < num_tiles) load_tile(t + kStages - 1, (t + kStages - 1) % kStages, next_page);
+    if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
     CpAsyncCommit();
-    if (t + kStages < num_tiles) next_page = page_of(t + kStages);
+    if (t + kAhead + 1 < num_tiles) next_page = page_of(t + kAhead + 1);
+    // On the last tile the conversion runs on whatever raw stage (t+1) % 2 holds, into a
+    // stage nobody reads again: it keeps the PV loop free of a branch.
+    ahead_stage = (t + 1) % kStages;
     // Only the memory-bound 16-row tile; the compute tiles have no registers to spare.
     if constexpr (kRows == 16 && kL2PrefetchTiles > 0) {
       const int tp = t + kStages - 1 + kL2PrefetchTiles;
@@ -572,7 +631,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         }
       }
       __syncthreads();
-    } else if constexpr (kFp8) {
+    } else if constexpr (kFp8 && !kFp8Ahead) {
       // Raw rows -> registers, sync, dequantized values -> the same stage; in passes of
       // kPassItems items per thread, to bound the registers it takes. The raw rows sit at
       // the stage's end (kRawOffset), so a pass's values never land on a later pass's
@@ -973,6 +1032,8 @@ const void* Decoder<kDType, kRows, kKv, kRing>::Kernel() {
 template <DType kDType, int kRows, KvDType kKv, bool kRing>
 int Decoder<kDType, kRows, kKv, kRing>::SmemBytes() {
   if constexpr (kRing) return static_cast<int>(sizeof(Fp8SharedMemoryPlan<kRows>));
+  if constexpr (kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead)
+    return static_cast<int>(sizeof(Fp8AheadSharedMemoryPlan<kRows>));
   return static_cast<int>(sizeof(SharedMemoryPlan<kRows>));
 }
 

@@ -73,11 +73,20 @@ struct Fp8SharedMemoryPlan {
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
+// FP8 cache, dequantized one tile ahead (TileConfig::kFp8DequantAhead): the 16-bit plan
+// plus a 2-stage ring of raw rows. Tile t's raw rows land in raw[t % 2] while tile t-1
+// is computed; during tile t they become kv[(t + 1) % 2] of tile t+1.
+template <int kRows>
+struct Fp8AheadSharedMemoryPlan : SharedMemoryPlan<kRows> {
+  uint8_t raw[2][TileConfig<kRows>::kKeys][kFp8RowBytes];  // raw rows, packed
+};
+
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles; the 64-row tile (SM90 machine code only) must fit SM90's 227 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
 static_assert(sizeof(SharedMemoryPlan<64>) <= 227 * 1024, "64-row tile: within SM90's 227 KB per CTA (SM90 only, kernels/BUILD.bazel)");
+static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row tile: within SM90's 227 KB per CTA");
 // FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
 // per CTA); one on A100, whose 164 KB hold one (docs/fp8-kv-cache.md).
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
