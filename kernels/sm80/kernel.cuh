@@ -85,6 +85,15 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
   }
 }
 
+// 2^x on the SFU alone. Results below 2^-126 flush to zero: they are P values or
+// rescale factors under 2^-126 of the running max, whose rows' sums are >= 1, so they
+// change no output; exp2f would spend three more instructions keeping them subnormal.
+__device__ __forceinline__ float Exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Two floats -> two 16-bit values in one register (lo in the low half).
 template <DType kDType>
 __device__ __forceinline__ uint32_t Pack2(float lo, float hi) {
@@ -384,36 +393,53 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Page of KV tile t (a tile never straddles pages).
   auto page_of = [&](int t) { return table[(key_begin + t * kN) / kPageSize]; };
   // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads.
+  // Each thread copies whole 128-byte-strided runs of one row, so its copies are one
+  // source and one destination address plus constants (round 11: the per-chunk index
+  // math was ~15% of the loop's instructions). A tile never straddles a page, so its
+  // keys' page offsets are key0 % 64 + key without wrapping. Keys past cta_end copy
+  // nothing (zero fill) from within row 0 of page 0, never from an unowned row.
   auto load_tile = [&](int t, int s, int page) {
     const int key0 = key_begin + t * kN;
+    const int page_key0 = key0 & (kPageSize - 1);
     if constexpr (kFp8) {
+      // kCta / kN threads per raw row; thread c of a row takes its chunks c, c + T, ...
+      constexpr int kT = kCta / kN;
+      static_assert(kT * kN == kCta, "whole threads per raw row");
       const auto* kv8 = static_cast<const uint8_t*>(p.kv);
-      const uint8_t* base8 = kv8 + int64_t(page) * p.kv_page_stride + kv_head_off;
       uint32_t dst0;
       if constexpr (kFp8Ring || kFp8Ahead) {
         dst0 = SmemAddr(&sm.raw[s][0][0]);
       } else {
         dst0 = SmemAddr(&sm.kv[s][0][0]) + kRawOffset;
       }
+      const int key = tid / kT, c = tid % kT;
+      const bool valid = key0 + key < cta_end;
+      const uint8_t* src = valid ? kv8 + int64_t(page) * p.kv_page_stride + kv_head_off +
+                                       int64_t(page_key0 + key) * p.kv_row_stride + c * 16
+                                 : kv8;
+      const uint32_t dst = dst0 + key * kFp8RowBytes + c * 16;
 #pragma unroll
-      for (int i = 0; i < (kN * kRawChunks + kCta - 1) / kCta; ++i) {
-        const int id = tid + i * kCta;
-        if (id >= kN * kRawChunks) break;
-        const int key = id / kRawChunks, chunk = id % kRawChunks;
-        const bool valid = key0 + key < cta_end;
-        const uint8_t* src = base8 + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 16;
-        CpAsync16(dst0 + key * kFp8RowBytes + chunk * 16, valid ? src : kv8, valid);
+      for (int j = 0; j < (kRawChunks + kT - 1) / kT; ++j) {
+        if ((kRawChunks % kT) != 0 && j == kRawChunks / kT && c >= kRawChunks % kT) break;
+        CpAsync16(dst + j * kT * 16, src + j * kT * 16, valid);
       }
     } else {
-      const uint16_t* base = kv + int64_t(page) * p.kv_page_stride + kv_head_off;
+      // 8 threads per row, each its chunks c + 8 j (j = 0..8): the swizzle permutes only
+      // within 8-chunk groups, so chunk c + 8 j lands 128 j bytes after chunk c.
+      constexpr int kKeysPerPass = kCta / 8;
+      static_assert(kN % kKeysPerPass == 0, "whole passes of rows");
       const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
+      const int c = tid & 7;
 #pragma unroll
-      for (int i = 0; i < kN * (kHeadDimQK / 8) / kCta; ++i) {
-        const int id = tid + i * kCta;
-        const int key = id / (kHeadDimQK / 8), chunk = id % (kHeadDimQK / 8);
+      for (int pass = 0; pass < kN / kKeysPerPass; ++pass) {
+        const int key = pass * kKeysPerPass + (tid >> 3);
         const bool valid = key0 + key < cta_end;
-        const uint16_t* src = base + int64_t((key0 + key) % kPageSize) * p.kv_row_stride + chunk * 8;
-        CpAsync16(dst0 + Swizzle(key, chunk) * 2, valid ? src : kv, valid);
+        const uint16_t* src = valid ? kv + int64_t(page) * p.kv_page_stride + kv_head_off +
+                                          int64_t(page_key0 + key) * p.kv_row_stride + c * 8
+                                    : kv;
+        const uint32_t dst = dst0 + Swizzle(key, c) * 2;
+#pragma unroll
+        for (int j = 0; j < kHeadDimQK / 64; ++j) CpAsync16(dst + j * 128, src + j * 64, valid);
       }
     }
   };
@@ -769,8 +795,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       uint16_t* p_tile = &sm.p[grp][0][0][0];
       // Writes this slice's P for (m-tile, half) against max m_use; returns its row sum.
       auto store_p = [&](int mt, int h, float m_use) {
-        const float p0 = exp2f(fmaf(x[mt][2 * h], scale_log2, -m_use));
-        const float p1 = exp2f(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
+        const float p0 = Exp2(fmaf(x[mt][2 * h], scale_log2, -m_use));
+        const float p1 = Exp2(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
         // (row / 2) % 4 is (lane / 8) % 4 for every m-tile and half.
         const int row = mt * 16 + (lane >> 2) + 8 * h;
         const int off = row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
@@ -814,7 +840,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
             const float4 m4 = *reinterpret_cast<const float4*>(&sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][0]);
             const float m_new = fmaxf(m_run[mt][h], fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * scale_log2);
             const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
-            alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+            alpha[mt][h] = Exp2(m_run[mt][h] - m_use);
             rescale |= m_new != m_run[mt][h];
             m_run[mt][h] = m_new;
             l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], store_p(mt, h, m_use));
@@ -914,7 +940,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
           const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
-          alpha[mt][h] = exp2f(m_run[mt][h] - m_use);
+          alpha[mt][h] = Exp2(m_run[mt][h] - m_use);
           rescale |= m_new != m_run[mt][h];
           m_run[mt][h] = m_new;
           float sum = 0.f;
@@ -922,7 +948,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           for (int j = 0; j < kNT; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pv = exp2f(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
+              const float pv = Exp2(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
               s[mt][j][2 * h + e] = pv;
               sum += pv;
             }
