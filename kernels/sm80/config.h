@@ -27,6 +27,9 @@ struct TileConfig;
 #define LATENTD_TILE16_KEYS 32
 #define LATENTD_TILE16_STAGES 2
 #endif
+#ifndef LATENTD_TILE16_COOP  // overridable only to build tuning variants
+#define LATENTD_TILE16_COOP false
+#endif
 template <>
 struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
@@ -38,7 +41,7 @@ struct TileConfig<16> {
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
   // Cooperative reduction: each warp sums one 8-key slice of the partial scores and runs
   // the softmax on it; P goes through shared memory to the PV (below, the 64-row tile).
-  static constexpr bool kCoopReduce = false;
+  static constexpr bool kCoopReduce = LATENTD_TILE16_COOP;
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its

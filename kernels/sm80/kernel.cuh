@@ -740,13 +740,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       // from registers) and keeps only that slice, x. The other warps' slices of its
       // partial go to shared memory for them.
       static_assert(kNT == kWarps, "one 8-key slice per warp of the group");
+      constexpr bool kPacked = Plan::kPackedSlices;  // 3 source slots per slice, not 4
       const int bar = 1 + grp;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
         if (j == warp) continue;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
-          *reinterpret_cast<float4*>(&sm.s_part[grp][j][warp][mt][lane][0]) =
+          *reinterpret_cast<float4*>(&sm.s_part[grp][j][kPacked ? warp - (warp > j) : warp][mt][lane][0]) =
               make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
       }
       float x[kMT][4];
@@ -761,7 +762,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         if (src == warp) continue;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          const float4 u = *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][src][mt][lane][0]);
+          const float4 u =
+              *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][kPacked ? src - (src > warp) : src][mt][lane][0]);
           x[mt][0] += u.x;
           x[mt][1] += u.y;
           x[mt][2] += u.z;

@@ -28,7 +28,7 @@ struct SharedMemoryPlan {
 };
 
 template <int kRows>
-struct SharedMemoryPlan<kRows, false> {
+struct SharedMemoryPlan<kRows, false, false> {
   using Cfg = TileConfig<kRows>;
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
@@ -57,13 +57,31 @@ struct SharedMemoryPlan<kRows, true, true> {
   // Per row, each slice's score maximum of the tile, and (in the epilogue) its sum of P.
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
+  static constexpr bool kPackedSlices = false;
+};
+
+// Q in registers with the cooperative reduction (the 16-row tile's variant): the
+// partial-score slots packed, 3 sources per slice with no unused slot, since 2 CTAs per
+// A100 SM leave no room for it. KV first: the fused combine's weights go there.
+template <int kRows>
+struct SharedMemoryPlan<kRows, false, true> {
+  using Cfg = TileConfig<kRows>;
+  static constexpr int kGroupRows = kRows / Cfg::kGroups;
+  static_assert(Cfg::kKeys == 8 * kWarps, "one 8-key slice per warp of a group");
+  uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
+  // [group][slice][source warp, skipping the slice's own][m-tile][lane] x 4 floats.
+  float s_part[Cfg::kGroups][kWarps][kWarps - 1][kGroupRows / 16][32][4];
+  uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
+  float row_max[Cfg::kGroups][kGroupRows][kWarps];
+  float row_sum[Cfg::kGroups][kGroupRows][kWarps];
+  static constexpr bool kPackedSlices = true;
 };
 
 // FP8 cache (kernels/kv_fp8.h): raw 656-byte rows stream through a ring of kFp8Stages
 // stages; each lands tile is dequantized once into the one 16-bit tile the mma loops
 // read. Rows are half the bytes, so the ring keeps more tiles (and more bytes) in
 // flight than the 16-bit pipeline in less memory per tile.
-template <int kRows>
+template <int kRows, bool kCoop = TileConfig<kRows>::kCoopReduce>
 struct Fp8SharedMemoryPlan {
   using Cfg = TileConfig<kRows>;
   static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;  // as SharedMemoryPlan
@@ -71,6 +89,20 @@ struct Fp8SharedMemoryPlan {
   uint8_t raw[Cfg::kFp8Stages][Cfg::kKeys][kFp8RowBytes];   // raw rows, packed
   uint16_t q[Cfg::kQInRegisters ? 1 : kRows][Cfg::kQInRegisters ? 8 : kQChunks * 8];
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
+};
+// The same with the cooperative reduction's scratch (Q in registers only).
+template <int kRows>
+struct Fp8SharedMemoryPlan<kRows, true> {
+  using Cfg = TileConfig<kRows>;
+  static constexpr int kGroupRows = kRows / Cfg::kGroups;
+  static_assert(Cfg::kQInRegisters, "the ring with the cooperative reduction keeps Q in registers");
+  uint16_t kv[1][Cfg::kKeys][kHeadDimQK];
+  uint8_t raw[Cfg::kFp8Stages][Cfg::kKeys][kFp8RowBytes];
+  float s_part[Cfg::kGroups][kWarps][kWarps - 1][kGroupRows / 16][32][4];  // as SharedMemoryPlan<k, false, true>
+  uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
+  float row_max[Cfg::kGroups][kGroupRows][kWarps];
+  float row_sum[Cfg::kGroups][kGroupRows][kWarps];
+  static constexpr bool kPackedSlices = true;
 };
 
 // FP8 cache, dequantized one tile ahead (TileConfig::kFp8DequantAhead): the 16-bit plan
