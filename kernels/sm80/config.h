@@ -50,6 +50,7 @@ struct TileConfig<16> {
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
   // only: here the second 16-bit stage plus the ring would leave 1 CTA per SM).
   static constexpr bool kFp8DequantAhead = false;
+  static constexpr bool kPingPong = false;  // two groups only (the 64-row tile)
 };
 
 // Many rows (> 16): compute-heavy. 32 rows, because the fp32 output accumulator of a
@@ -69,6 +70,7 @@ struct TileConfig<32> {
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8Stages = 4;
   static constexpr bool kFp8DequantAhead = false;
+  static constexpr bool kPingPong = false;  // two groups only (the 64-row tile)
 };
 
 // 64+ rows (h_q 128 with data-parallel attention, MTP): two groups of 4 warps in one
@@ -84,6 +86,9 @@ struct TileConfig<32> {
 // partial slices 24 KB + P 8 KB + row maxima and sums 1 KB = 177 KB. Built for SM90
 // only (kernels/BUILD.bazel): it is over A100's 163 KB per CTA, so A100-class GPUs keep
 // the 32-row tile.
+#ifndef LATENTD_PING_PONG  // overridable only to build tuning variants
+#define LATENTD_PING_PONG true
+#endif
 #ifndef LATENTD_FP8_DEQUANT_AHEAD  // overridable only to build tuning variants
 #define LATENTD_FP8_DEQUANT_AHEAD true
 #endif
@@ -103,6 +108,8 @@ struct TileConfig<64> {
   // tile t+1 is dequantized into the other 16-bit stage between tile t's PV mma, whose
   // issue slots are two-thirds idle (round 11), so the conversion costs no barriers.
   static constexpr bool kFp8DequantAhead = LATENTD_FP8_DEQUANT_AHEAD;
+  // 16-bit caches: the groups run offset, group 1 copying the tiles (kernel.cuh, round 12).
+  static constexpr bool kPingPong = LATENTD_PING_PONG;
 };
 
 // Threads per CTA of a tile configuration.

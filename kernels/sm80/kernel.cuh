@@ -51,6 +51,12 @@ __device__ __forceinline__ bool GroupAny(int id, bool v) {
       : "memory");
   return r != 0;
 }
+// Named barrier `id` over `n` threads: wait for all n (sync), or count this thread in and
+// go on (arrive), the producer/consumer pair of the 64-row tile's ping-pong.
+__device__ __forceinline__ void BarSync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void BarArrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -333,6 +339,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
   // ahead (tile t+1 must have landed while tile t is computed).
   constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
+  // Ping-pong (TileConfig::kPingPong, 16-bit caches): group 1 alone copies the KV tiles
+  // and runs up to half a tile behind group 0, the two synchronised by producer/consumer
+  // barriers instead of one CTA barrier per tile, so one group's softmax and barriers
+  // overlap the other's mma (docs/kernel-tuning.md, round 12).
+  constexpr bool kPingPong = Cfg::kPingPong && kKv == KvDType::kModel;
+  static_assert(!kPingPong || (Cfg::kGroups == 2 && kStages == 2), "ping-pong: two groups, two stages");
   constexpr int kGroupRows = kRows / Cfg::kGroups;
   constexpr int kMT = kGroupRows / 16;  // m16 tiles per warp (each warp covers its group's rows)
   constexpr int kNT = kN / 8;           // n8 score tiles per KV tile
@@ -425,14 +437,17 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       }
     } else {
       // 8 threads per row, each its chunks c + 8 j (j = 0..8): the swizzle permutes only
-      // within 8-chunk groups, so chunk c + 8 j lands 128 j bytes after chunk c.
-      constexpr int kKeysPerPass = kCta / 8;
+      // within 8-chunk groups, so chunk c + 8 j lands 128 j bytes after chunk c. With the
+      // ping-pong, group 1's 128 threads copy the whole tile.
+      constexpr int kLoaders = kPingPong ? kThreads : kCta;
+      constexpr int kKeysPerPass = kLoaders / 8;
       static_assert(kN % kKeysPerPass == 0, "whole passes of rows");
+      const int ltid = tid % kLoaders;
       const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
-      const int c = tid & 7;
+      const int c = ltid & 7;
 #pragma unroll
       for (int pass = 0; pass < kN / kKeysPerPass; ++pass) {
-        const int key = pass * kKeysPerPass + (tid >> 3);
+        const int key = pass * kKeysPerPass + (ltid >> 3);
         const bool valid = key0 + key < cta_end;
         const uint16_t* src = valid ? kv + int64_t(page) * p.kv_page_stride + kv_head_off +
                                           int64_t(page_key0 + key) * p.kv_row_stride + c * 8
@@ -490,7 +505,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // is loaded after the first KV copies are in flight.
 #pragma unroll
   for (int s = 0; s < kAhead; ++s) {
-    if (s < num_tiles) load_tile(s, s % kStages, page_of(s));
+    if (s < num_tiles && (!kPingPong || grp == 1)) load_tile(s, s % kStages, page_of(s));
     CpAsyncCommit();
   }
   // Page of the next tile to copy, read one iteration ahead so the block-table load is
@@ -616,14 +631,30 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     }
   };
 
-  for (int t = 0; t < num_tiles; ++t) {
-    // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
-    // this tile); otherwise tile t's.
-    CpAsyncWait<kFp8Ahead ? 0 : kStages - 2>();
-    __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
-    if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
+  if constexpr (kPingPong) {
+    // Tile 0 (copied by all, with Q) visible to all; then group 1 copies tile 1.
+    CpAsyncWait<0>();
+    __syncthreads();
+    if (grp == 1 && 1 < num_tiles) load_tile(1, 1, next_page);
     CpAsyncCommit();
-    if (t + kAhead + 1 < num_tiles) next_page = page_of(t + kAhead + 1);
+    if (2 < num_tiles) next_page = page_of(2);
+  }
+  // Ping-pong barriers (kPingPong), by tile parity: FULL (group 1 arrives once its
+  // copies of the tile have landed; group 0 waits) and EMPTY (group 0 arrives when done
+  // with the tile; group 1 waits before copying tile t+2 into its stage).
+  constexpr int kFullBar = 3, kEmptyBar = 5;
+  for (int t = 0; t < num_tiles; ++t) {
+    if constexpr (kPingPong) {
+      if (grp == 0 && t > 0) BarSync(kFullBar + (t & 1), kCta);
+    } else {
+      // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
+      // this tile); otherwise tile t's.
+      CpAsyncWait<kFp8Ahead ? 0 : kStages - 2>();
+      __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
+      if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
+      CpAsyncCommit();
+      if (t + kAhead + 1 < num_tiles) next_page = page_of(t + kAhead + 1);
+    }
     // On the last tile the conversion runs on whatever raw stage (t+1) % 2 holds, into a
     // stage nobody reads again: it keeps the PV loop free of a branch.
     ahead_stage = (t + 1) % kStages;
@@ -733,6 +764,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           Mma<kDType>(s[mt][2 * np], a[mt], kb[0], kb[1]);
           Mma<kDType>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
         }
+      }
+    }
+    if constexpr (kPingPong) {
+      // Group 1, its QK of tile t done: tile t+1's copies (its own) have landed; group 0
+      // may start it. The group barrier below makes them visible within group 1.
+      if (grp == 1 && t + 1 < num_tiles) {
+        CpAsyncWait<0>();
+        BarArrive(kFullBar + ((t + 1) & 1), kCta);
       }
     }
     if constexpr (Cfg::kCoopReduce) {
@@ -870,6 +909,20 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           if constexpr (kSplitP) Ldmatrix4(pl[mt], addr + kPPlane * 2);
         }
         pv_kstep(kk, pa, pl, kv_base);
+      }
+      if constexpr (kPingPong) {
+        // Stage t % 2 is free once both groups are done with tile t: group 1 copies tile
+        // t+2 into it.
+        if (t + 2 < num_tiles) {
+          if (grp == 0) {
+            BarArrive(kEmptyBar + (t & 1), kCta);
+          } else {
+            BarSync(kEmptyBar + (t & 1), kCta);
+            load_tile(t + 2, t & 1, next_page);
+            CpAsyncCommit();
+          }
+          if (t + 3 < num_tiles) next_page = page_of(t + 3);
+        }
       }
     } else {
       // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
