@@ -318,6 +318,8 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // (656 bytes each, packed at the stage's end); after the copy lands, the CTA dequantizes
 // them in place, through registers, into the swizzled 16-bit layout the mma loops read.
 // Each value is dequantized once per CTA, and shared memory stays as for a 16-bit cache.
+// The 64-row tile instead lands raw rows in a ring of their own and converts tile t+1
+// during tile t's PV loop (TileConfig::kFp8DequantAhead).
 //
 // kRing (FP8 only, chosen by DecodePlan::fp8_ring): the raw rows stream instead through
 // a ring of Cfg::kFp8Stages stages of their own (Fp8SharedMemoryPlan), each landed tile
@@ -331,8 +333,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
   constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && Cfg::kFp8DequantAhead;
-  using Plan = std::conditional_t<kFp8Ring, Fp8SharedMemoryPlan<kRows>,
-                                  std::conditional_t<kFp8Ahead, Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>;
+  using Plan = PlanOf<kRows, kKv, kRing>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : Cfg::kStages;  // copies in flight + 1
@@ -404,7 +405,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
 
   // Page of KV tile t (a tile never straddles pages).
   auto page_of = [&](int t) { return table[(key_begin + t * kN) / kPageSize]; };
-  // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads.
+  // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads
+  // (with the ping-pong, over group 1's).
   // Each thread copies whole 128-byte-strided runs of one row, so its copies are one
   // source and one destination address plus constants (round 11: the per-chunk index
   // math was ~15% of the loop's instructions). A tile never straddles a page, so its
@@ -1112,10 +1114,7 @@ const void* Decoder<kDType, kRows, kKv, kRing>::Kernel() {
 
 template <DType kDType, int kRows, KvDType kKv, bool kRing>
 int Decoder<kDType, kRows, kKv, kRing>::SmemBytes() {
-  if constexpr (kRing) return static_cast<int>(sizeof(Fp8SharedMemoryPlan<kRows>));
-  if constexpr (kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead)
-    return static_cast<int>(sizeof(Fp8AheadSharedMemoryPlan<kRows>));
-  return static_cast<int>(sizeof(SharedMemoryPlan<kRows>));
+  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing>));
 }
 
 template <DType kDType, int kRows, KvDType kKv, bool kRing>

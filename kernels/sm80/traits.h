@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kv_fp8.h"
 #include "kernels/params.h"
@@ -112,6 +113,14 @@ template <int kRows>
 struct Fp8AheadSharedMemoryPlan : SharedMemoryPlan<kRows> {
   uint8_t raw[2][TileConfig<kRows>::kKeys][kFp8RowBytes];  // raw rows, packed
 };
+
+// The plan of one kernel instantiation: the raw-row ring (kRing), FP8 dequantized ahead
+// (the 64-row tile's FP8 pipeline), or the 16-bit plan, which FP8 in place shares.
+template <int kRows, KvDType kKv, bool kRing>
+using PlanOf = std::conditional_t<
+    kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
+    std::conditional_t<kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead,
+                       Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>;
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles; the 64-row tile (SM90 machine code only) must fit SM90's 227 KB per CTA.
