@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cmath>
 
 #include "kernels/sm80/launch.h"
@@ -38,21 +40,34 @@ __device__ __forceinline__ void Merge(float lp, const float4& o, float& m, float
   s += w;
 }
 
-// grid: (b * h_q * s_q rows, kChunks column chunks); block: one warp per partition
-// group. Each lane keeps a running (max, sum, 4 columns) over its warp's partitions
-// with no block-wide reduction; the warps' states merge once through shared memory.
+// grid: (row groups, kChunks column chunks); block: (32 x W, R), W warps over the
+// partitions of one row, R rows per CTA. Each lane keeps a running (max, sum, 4 columns)
+// over its warp's partitions with no block-wide reduction; a row's W warp states merge
+// once through shared memory, behind a barrier of that row's warps only (rows of one
+// CTA may belong to different sequences, which stop at different points).
+// W = ceil(partitions / kUnroll) puts every partition's load of the first round in
+// flight at once; R fills the CTA to 8 warps where W is small, so a 4-partition plan
+// runs 8 rows per CTA instead of one CTA of 4 warps per row (round 13).
 template <DType kDType>
 __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const CombineArgs args) {
   const MlaDecodeParams& p = args.p;
   const int rows_total = p.h_q * p.s_q;
-  const int b = blockIdx.x / rows_total, r = blockIdx.x % rows_total;
+  const int64_t row_all = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row_all >= int64_t(p.batch) * rows_total) return;  // the last group's rows past the end
+  const int b = static_cast<int>(row_all / rows_total), r = static_cast<int>(row_all % rows_total);
 
   __shared__ float4 part_acc[kMaxCombineWarps][32];
   __shared__ float part_m[kMaxCombineWarps], part_s[kMaxCombineWarps];
   const int warps = blockDim.x >> 5;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot0 = threadIdx.y * warps;  // this row's first warp slot in shared memory
   const int64_t first = int64_t(b) * args.num_splits * rows_total + r;  // partition 0 of this row
   const int col = blockIdx.y * kColsPerCta + lane * 4;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the decode kernel (SM90): resident early,
+  // it waits here until the decode grid has finished and its partials are visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 
   // The first round of partial loads is issued before seqlens is known (bounded by the
   // grid's partition count; slots past this sequence's count are read but not merged),
@@ -71,7 +86,7 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   load_round(warp, args.num_splits);
   const int seqlen = p.seqlens[b];
   const int n = (seqlen + args.keys_per_split - 1) / args.keys_per_split;
-  if (n <= 1) return;  // written directly by the decode kernel
+  if (n <= 1) return;  // written directly by the decode kernel (the row's warps alike)
 
   float m = -INFINITY, s = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -83,26 +98,31 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
     if (i0 >= n) break;
     load_round(i0, n);
   }
-  part_acc[warp][lane] = acc;
-  if (lane == 0) {
-    part_m[warp] = m;
-    part_s[warp] = s;
-  }
-  __syncthreads();
-  if (warp != 0) return;
-  float mx = -INFINITY;
-  for (int w = 0; w < warps; ++w) mx = fmaxf(mx, part_m[w]);
-  float sum = 0.f;
-  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (mx != -INFINITY) {
-    for (int w = 0; w < warps; ++w) {
-      if (part_m[w] == -INFINITY) continue;
-      const float c = __expf(part_m[w] - mx);
-      sum = fmaf(part_s[w], c, sum);
-      t.x = fmaf(part_acc[w][lane].x, c, t.x);
-      t.y = fmaf(part_acc[w][lane].y, c, t.y);
-      t.z = fmaf(part_acc[w][lane].z, c, t.z);
-      t.w = fmaf(part_acc[w][lane].w, c, t.w);
+  float mx = m, sum = s;
+  float4 t = acc;
+  if (warps > 1) {
+    part_acc[slot0 + warp][lane] = acc;
+    if (lane == 0) {
+      part_m[slot0 + warp] = m;
+      part_s[slot0 + warp] = s;
+    }
+    // The row's warps only: barrier 1 + row (at most 4 rows per CTA have 2+ warps).
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + static_cast<int>(threadIdx.y)), "r"(warps * 32) : "memory");
+    if (warp != 0) return;
+    mx = -INFINITY;
+    for (int w = 0; w < warps; ++w) mx = fmaxf(mx, part_m[slot0 + w]);
+    sum = 0.f;
+    t = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != -INFINITY) {
+      for (int w = 0; w < warps; ++w) {
+        if (part_m[slot0 + w] == -INFINITY) continue;
+        const float c = __expf(part_m[slot0 + w] - mx);
+        sum = fmaf(part_s[slot0 + w], c, sum);
+        t.x = fmaf(part_acc[slot0 + w][lane].x, c, t.x);
+        t.y = fmaf(part_acc[slot0 + w][lane].y, c, t.y);
+        t.z = fmaf(part_acc[slot0 + w][lane].z, c, t.z);
+        t.w = fmaf(part_acc[slot0 + w][lane].w, c, t.w);
+      }
     }
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -131,23 +151,47 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   if (blockIdx.y == 0 && lane == 0) p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
 }
 
+// Whether the current device runs programmatic dependent launches (SM90 and up), one
+// driver query per device.
+bool DeviceHasPdl() {
+  static std::atomic<uint64_t> known{0}, yes{0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return false;
+  const uint64_t bit = uint64_t{1} << dev;
+  if (known.load(std::memory_order_acquire) & bit) return (yes.load(std::memory_order_relaxed) & bit) != 0;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (major >= 9) yes.fetch_or(bit, std::memory_order_relaxed);
+  known.fetch_or(bit, std::memory_order_acq_rel);
+  return major >= 9;
+}
+
 }  // namespace
 
 cudaError_t LaunchCombineKernel(const CombineArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.p.batch) * args.p.h_q * args.p.s_q;
   if (rows == 0) return cudaSuccess;
-  if (rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(rows), kChunks);
-  // One warp per partition group: few partitions need few warps.
-  const int threads = 32 * std::max(1, std::min(kMaxCombineWarps, args.num_splits));
-  if (args.p.dtype == DType::kBF16) {
-    CombineKernel<DType::kBF16><<<grid, threads, 0, stream>>>(args);
-  } else if (args.p.dtype == DType::kFP16) {
-    CombineKernel<DType::kFP16><<<grid, threads, 0, stream>>>(args);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  // Warps per row: every partition's first load in flight at once (up to 32 x kUnroll);
+  // rows per CTA: up to 8 warps in all.
+  const int warps = std::max(1, std::min(kMaxCombineWarps, (args.num_splits + kUnroll - 1) / kUnroll));
+  const int rows_per_cta = std::max(1, 8 / warps);
+  const int64_t groups = (rows + rows_per_cta - 1) / rows_per_cta;
+  if (groups > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(groups), kChunks);
+  cfg.blockDim = dim3(32 * warps, rows_per_cta);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  // SM90: launched while the decode kernel still runs (it waits in griddepcontrol.wait),
+  // so the launch latency overlaps the decode kernel's tail.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = DeviceHasPdl() ? 1 : 0;
+  if (args.p.dtype == DType::kBF16) return cudaLaunchKernelEx(&cfg, CombineKernel<DType::kBF16>, args);
+  if (args.p.dtype == DType::kFP16) return cudaLaunchKernelEx(&cfg, CombineKernel<DType::kFP16>, args);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace latentd::kernels::sm80

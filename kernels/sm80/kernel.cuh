@@ -240,8 +240,9 @@ __device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int k
 template <DType kDType, int kRows>
 __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
                                             float* w) {
-  constexpr int kMaxN = kMaxFusedPartialRows / kRows;
-  static_assert(kMaxN >= 2 && kMaxN * kRows == kMaxFusedPartialRows, "whole partitions per fused combine");
+  // Fused plans have at most kMaxFusedSplits partitions (FusesCombine).
+  constexpr int kMaxN = kMaxFusedSplits < kMaxFusedPartialRows / kRows ? kMaxFusedSplits : kMaxFusedPartialRows / kRows;
+  static_assert(kMaxN >= 2 && kMaxN * kRows <= kMaxFusedPartialRows, "whole partitions per fused combine");
   const MlaDecodeParams& p = args.p;
   const int tid = threadIdx.x;
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
@@ -329,6 +330,11 @@ template <DType kDType, int kRows, KvDType kKv, bool kRing>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A combine kernel launched after this one as a programmatic dependent may start now:
+  // it waits (griddepcontrol.wait) for this grid's completion before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   using Cfg = TileConfig<kRows>;
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
