@@ -221,9 +221,10 @@ TEST(GpuDecode, SweepFp16) {
 // and not, lengths from empty to past a page edge, h_kv 1 and 2, with and without
 // split-K (forced 64-key partitions: the combine kernel; 128: fused up to 2). Once with
 // the planner's tiles, and (where the 64-row tile exists) once with the 64-row tile
-// forced on every shape, h_q 32 included: a tile whose second group has no rows. Each
-// shape twice: normal data, and keys whose scores keep rising (the softmax's running
-// max moves after the first tile: the 64-row tile's exchange of maxima, round 10).
+// forced on every shape, h_q 32 included: a tile whose second group has no rows, with a
+// 16-bit and with an FP8 cache. Each shape twice: normal data, and keys whose scores
+// keep rising (the softmax's running max moves after the first tile: the 64-row tile's
+// exchange of maxima, round 10).
 TEST(GpuDecode, ComputeTileSweep) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(17);
@@ -231,15 +232,19 @@ TEST(GpuDecode, ComputeTileSweep) {
   std::vector<int> forced = {0};
   if (TheGpu().dev.cc_major == 9) forced.push_back(64);
   for (int tile : forced)
+  for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
   for (bool rising : {false, true})
   for (DType dt : {DType::kBF16, DType::kFP16})
     for (int hq : {32, 64, 128})
       for (int s_q = 1; s_q <= 8; ++s_q)
         for (bool causal : {false, true}) {
           if (hq == 32 && (tile == 0 || s_q > 1)) continue;
+          // FP8 on the forced 64-row tile only (the planner's FP8 tiles: Fp8Sweep).
+          if (kv == KvDType::kFp8E4M3 && tile != 64) continue;
           g_force_tile = tile;
           ProblemShape s;
           s.dtype = dt;
+          s.kv_dtype = kv;
           s.batch = 3;
           s.h_q = hq;
           s.h_kv = s_q == 3 ? 2 : 1;
