@@ -89,12 +89,6 @@ struct TileConfig<32> {
 #ifndef LATENTD_PING_PONG  // overridable only to build tuning variants
 #define LATENTD_PING_PONG true
 #endif
-#ifndef LATENTD_FP8_PING_PONG  // overridable only to build tuning variants
-#define LATENTD_FP8_PING_PONG true
-#endif
-// FP8 caches on the 64-row tile (with kFp8DequantAhead and kPingPong): the groups run
-// offset too, each dequantizing its own half of a tile's keys (kernel.cuh, round 14).
-inline constexpr bool kFp8PingPongOn = LATENTD_FP8_PING_PONG;
 #ifndef LATENTD_FP8_DEQUANT_AHEAD  // overridable only to build tuning variants
 #define LATENTD_FP8_DEQUANT_AHEAD true
 #endif

@@ -352,11 +352,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // overlap the other's mma (docs/kernel-tuning.md, round 12).
   constexpr bool kPingPong = Cfg::kPingPong && kKv == KvDType::kModel;
   static_assert(!kPingPong || (Cfg::kGroups == 2 && kStages == 2), "ping-pong: two groups, two stages");
-  // FP8 ping-pong (dequantizing ahead): each group copies and dequantizes its own half of
-  // every tile's keys (group g keys 16g .. 16g+15), group 0 inside its PV, group 1 inside
-  // its QK, so neither waits on the other's copies (docs/kernel-tuning.md, round 14).
-  constexpr bool kFp8PingPong = kFp8Ahead && Cfg::kPingPong && kFp8PingPongOn;
-  static_assert(!kFp8PingPong || (Cfg::kGroups == 2 && kStages == 2), "FP8 ping-pong: two groups, two stages");
   constexpr int kGroupRows = kRows / Cfg::kGroups;
   constexpr int kMT = kGroupRows / 16;  // m16 tiles per warp (each warp covers its group's rows)
   constexpr int kNT = kN / 8;           // n8 score tiles per KV tile
@@ -536,9 +531,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       const uint8_t* raw = &sm.raw[st][0][0];
       uint16_t* dst = &sm.kv[st][0][0];
       if (part < 8) {
-        // With the FP8 ping-pong a group's 4 warps cover its own 16 keys.
-        const int key = kFp8PingPong ? 16 * grp + warp + 4 * (part >> 1) : (tid >> 5) + 8 * (part >> 1);
-        const int c = lane + 32 * (part & 1);
+        const int key = (tid >> 5) + 8 * (part >> 1), c = lane + 32 * (part & 1);
         const uint8_t* row = raw + key * kFp8RowBytes;
         const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
         const uint32_t sp = Fp8ScalePair<kDType>(
@@ -558,14 +551,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   };
   if constexpr (kFp8Ahead) {
     // Tile 0 (and Q) landed: dequantize it before the loop; the loop's first barrier
-    // publishes it. With the FP8 ping-pong, tile 1's raw rows too (group 1 converts its
-    // half during its first QK), and the barrier is here.
-    CpAsyncWait<kFp8PingPong ? 0 : kAhead - 1>();
+    // publishes it.
+    CpAsyncWait<kAhead - 1>();
     __syncthreads();
     if (num_tiles > 0)
 #pragma unroll
       for (int part = 0; part < 9; ++part) dequant_part(part, 0);
-    if constexpr (kFp8PingPong) __syncthreads();
   }
   int ahead_stage = 1;  // the 16-bit stage tile t+1 is dequantized into during tile t
 
@@ -631,10 +622,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         // the rope copy on the last.
         static_assert(kVT == 16 && kNT == 4, "16 PV steps per tile");
         const int step = kk * (kVT / 2) + np;
-        if (!kFp8PingPong || grp == 0) {  // group 1 converts during its QK
-          if (step % 2 == 0) dequant_part(step / 2, ahead_stage);
-          if (step == 15) dequant_part(8, ahead_stage);
-        }
+        if (step % 2 == 0) dequant_part(step / 2, ahead_stage);
+        if (step == 15) dequant_part(8, ahead_stage);
       }
       uint32_t vb[4];
       Ldmatrix4Trans(vb, kv_base + Swizzle(key, warp * (kColsPerWarp / 8) + np * 2 + (lane >> 4)) * 2);
@@ -662,28 +651,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // copies of the tile have landed; group 0 waits) and EMPTY (group 0 arrives when done
   // with the tile; group 1 waits before copying tile t+2 into its stage).
   constexpr int kFullBar = 3, kEmptyBar = 5;
-  // FP8 ping-pong barriers, by tile parity: FULL0 (group 0 arrives when its half of tile
-  // t+1 is dequantized, after its PV of tile t; group 1 waits before tile t+1), FULL1
-  // (group 1 arrives when its half is, after its QK of tile t; group 0 waits before tile
-  // t+1) and EMPTY (group 1 arrives when done with tile t; group 0 waits before
-  // dequantizing tile t+2 into that stage, during its PV of tile t+1).
-  constexpr int kFull0Bar = 3, kFull1Bar = 5, kFp8EmptyBar = 7;
   for (int t = 0; t < num_tiles; ++t) {
     if constexpr (kPingPong) {
       if (grp == 0 && t > 0) BarSync(kFullBar + (t & 1), kCta);
-    } else if constexpr (kFp8PingPong) {
-      // Group 1: its raw rows of tile t+1 landed (it converts them during this QK).
-      // The barrier also orders this group's last reads of raw stage t % 2 before the
-      // copies into it below (each group copies and reads only its own keys' rows).
-      if (grp == 0) {
-        if (t > 0) BarSync(kFull1Bar + (t & 1), kCta);
-      } else {
-        CpAsyncWait<0>();
-        if (t > 0) BarSync(kFull0Bar + (t & 1), kCta);
-      }
-      if (t + 2 < num_tiles) load_tile(t + 2, t & 1, next_page);
-      CpAsyncCommit();
-      if (t + 3 < num_tiles) next_page = page_of(t + 3);
     } else {
       // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
       // this tile); otherwise tile t's.
@@ -775,10 +745,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      if constexpr (kFp8PingPong) {
-        static_assert(kKSteps == 9, "one dequantization part per QK k-step");
-        if (grp == 1) dequant_part(ks, ahead_stage);
-      }
       const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
       uint32_t a[kMT][4];
       if (ks < kRegSteps) {  // unrolled: decided at compile time
@@ -815,8 +781,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         CpAsyncWait<0>();
         BarArrive(kFullBar + ((t + 1) & 1), kCta);
       }
-    } else if constexpr (kFp8PingPong) {
-      if (grp == 1 && t + 1 < num_tiles) BarArrive(kFull1Bar + ((t + 1) & 1), kCta);
     }
     if constexpr (Cfg::kCoopReduce) {
       // Cooperative reduction: warp w sums keys 8w .. 8w+7 of the 4 partials (its own
@@ -833,9 +797,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           *reinterpret_cast<float4*>(&sm.s_part[grp][j][kPacked ? warp - (warp > j) : warp][mt][lane][0]) =
               make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
       }
-      // FP8 ping-pong: this thread's raw rows of tile t+1 landed (tile t+2's may still be
-      // in flight); the group barrier below makes the group's visible for its PV.
-      if constexpr (kFp8PingPong) CpAsyncWait<1>();
       float x[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -943,11 +904,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         }
         GroupSync(bar);  // the group's P is complete
       }
-      // FP8 ping-pong: group 0 dequantizes into stage (t+1) % 2 during this PV, which
-      // group 1 must be done reading (tile t-1).
-      if constexpr (kFp8PingPong) {
-        if (grp == 0 && t > 0) BarSync(kFp8EmptyBar + ((t - 1) & 1), kCta);
-      }
       const uint32_t p_base = SmemAddr(p_tile);
 #pragma unroll
       for (int kk = 0; kk < kNT / 2; ++kk) {
@@ -975,8 +931,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
           }
           if (t + 3 < num_tiles) next_page = page_of(t + 3);
         }
-      } else if constexpr (kFp8PingPong) {
-        if (t + 1 < num_tiles) BarArrive(grp == 0 ? kFull0Bar + ((t + 1) & 1) : kFp8EmptyBar + (t & 1), kCta);
       }
     } else {
       // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
