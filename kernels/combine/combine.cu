@@ -52,9 +52,10 @@ template <DType kDType>
 __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const CombineArgs args) {
   const MlaDecodeParams& p = args.p;
   const int rows_total = p.h_q * p.s_q;
-  const int64_t row_all = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row_all >= int64_t(p.batch) * rows_total) return;  // the last group's rows past the end
-  const int b = static_cast<int>(row_all / rows_total), r = static_cast<int>(row_all % rows_total);
+  // Rows fit an int (LaunchCombineKernel).
+  const int row_all = static_cast<int>(blockIdx.x * blockDim.y + threadIdx.y);
+  if (row_all >= p.batch * rows_total) return;  // the last group's rows past the end
+  const int b = row_all / rows_total, r = row_all % rows_total;
 
   __shared__ float4 part_acc[kMaxCombineWarps][32];
   __shared__ float part_m[kMaxCombineWarps], part_s[kMaxCombineWarps];
@@ -171,12 +172,12 @@ bool DeviceHasPdl() {
 cudaError_t LaunchCombineKernel(const CombineArgs& args, cudaStream_t stream) {
   const int64_t rows = int64_t(args.p.batch) * args.p.h_q * args.p.s_q;
   if (rows == 0) return cudaSuccess;
+  if (rows > 0x7fffffff - 8) return cudaErrorInvalidConfiguration;
   // Warps per row: every partition's first load in flight at once (up to 32 x kUnroll);
   // rows per CTA: up to 8 warps in all.
   const int warps = std::max(1, std::min(kMaxCombineWarps, (args.num_splits + kUnroll - 1) / kUnroll));
   const int rows_per_cta = std::max(1, 8 / warps);
   const int64_t groups = (rows + rows_per_cta - 1) / rows_per_cta;
-  if (groups > 0x7fffffff) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(groups), kChunks);
   cfg.blockDim = dim3(32 * warps, rows_per_cta);
