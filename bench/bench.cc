@@ -3,6 +3,7 @@
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
 //   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring]
+//         [--fused_combine]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,6 +64,7 @@ int RowBytes(const Config& c) { return IsFp8(c) ? kernels::kFp8RowBytes : kernel
 
 int g_tile = 0;  // --tile: force the planner's tile (0: its choice)
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
+bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
 
 constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
 
@@ -138,6 +140,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   r.copies = copies;
   CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
   r.plan.fp8_ring = g_fp8_ring;
+  r.plan.fused_combine = g_fused;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
     std::exit(1);
@@ -162,6 +165,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
       DecodePlan plan;
       CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
       plan.fp8_ring = g_fp8_ring;
+      plan.fused_combine = g_fused;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
     // The decode kernel alone, on the plan made beforehand, over the next copy of the
@@ -194,6 +198,7 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
     if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
+    if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
   }
   if (!kv_filter.empty() && kv_filter != "model" && kv_filter != "fp8_e4m3") {
     std::fprintf(stderr, "--kv_dtype: expected model or fp8_e4m3, got %s\n", kv_filter.c_str());
@@ -274,6 +279,7 @@ int Main(int argc, char** argv) {
   std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s%s\n\n", runs,
               g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "",
               g_fp8_ring ? "; fp8 rows: raw-row ring" : "; fp8 rows: dequantized in place");
+  if (g_fused) std::printf("2-4 partition plans: merged in the decode kernel (--fused_combine)\n\n");
   std::printf(
       "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");

@@ -250,9 +250,10 @@ constexpr size_t kCounterBytes = size_t(sm80::kMaxFusedStreams) * sizeof(unsigne
 static_assert(kCounterBytes % 16 == 0, "partials must stay 16-byte aligned");
 
 // Whether the decode kernel merges the partitions itself (docs/kernel-tuning.md, round 6):
-// few partitions and partition rows per stream, and a counter for every stream.
+// asked for by the plan, few partitions and partition rows per stream, and a counter
+// for every stream.
 bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
-  return plan.num_splits > 1 && plan.num_splits <= sm80::kMaxFusedSplits &&
+  return plan.fused_combine && plan.num_splits > 1 && plan.num_splits <= sm80::kMaxFusedSplits &&
          int64_t(plan.num_splits) * plan.tile_rows <= sm80::kMaxFusedPartialRows &&
          int64_t(p.batch) * p.h_kv * plan.row_tiles <= sm80::kMaxFusedStreams;
 }

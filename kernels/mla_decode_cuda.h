@@ -43,6 +43,12 @@ struct DecodePlan {
   // pipeline: raw rows in a 2-stage ring, each tile dequantized during the PV loop of
   // the tile before (round 11).
   bool fp8_ring = false;
+  // Split plans of 2-4 partitions per stream: true merges them inside the decode kernel
+  // (its last CTA per stream reads the partials back); false (PlanDecode's choice since
+  // round 15 of docs/kernel-tuning.md) runs the combine kernel, which on SM90 launches
+  // while the decode kernel runs and measured 1.5-3.5% faster on those plans.
+  // Selectable for benchmarks and tests; the workspace is the same either way.
+  bool fused_combine = false;
 };
 
 // Chooses the tile configuration and cuts sequences into split-K partitions from the

@@ -76,6 +76,10 @@ Gpu& TheGpu() {
 bool g_fp8_ring = false;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
+// Split-K merge (DecodePlan::fused_combine): 0 alternates call by call, so every sweep
+// runs both the fused merge and the combine kernel; 1 always fused; 2 never.
+int g_fused_mode = 0;
+int g_run_count = 0;
 
 // Runs one problem on the GPU. force_kps > 0 overrides the planner's split size.
 // fresh_workspace: poison the workspace and initialise it again; otherwise run on what
@@ -105,6 +109,7 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan, g_force_tile);
   ASSERT_TRUE(s.ok()) << s.message;
   plan.fp8_ring = g_fp8_ring;
+  plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && (g_run_count++ % 2) == 0);
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
   if (force_kps > 0) {
@@ -401,6 +406,11 @@ TEST(GpuDecode, WorkspaceReuse) {
   Check(big, rng, 128, false);                                  // 32-row tiles, 4 partitions
   Check(big, rng, 32, false);                                   // 16 partitions: combine kernel
   for (int kps : {64, 64}) Check(small, rng, kps, false);        // the same streams twice
+  g_fused_mode = 1;  // the fused merge's counters over a reused workspace, twice
+  for (int kps : {64, 256, 256}) Check(small, rng, kps, false);
+  g_fused_mode = 2;
+  for (int kps : {256, 256}) Check(small, rng, kps, false);
+  g_fused_mode = 0;
 }
 
 TEST(GpuDecode, LongSequences) {
