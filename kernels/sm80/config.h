@@ -120,7 +120,8 @@ inline constexpr int kCtaThreads = kThreads * TileConfig<kRows>::kGroups;
 // row tile) to finish merges that stream's partials itself, read back from L2 by that one
 // CTA, when they are at most this many partition rows (partitions x tile rows; 128 rows
 // = 256 KB of fp32 partials). Larger merges go to the separate combine kernel, which
-// spreads them over many SMs (docs/kernel-tuning.md, round 6).
+// spreads them over many SMs (docs/kernel-tuning.md, round 6). Only plans that ask for it
+// (DecodePlan::fused_combine, off by default since round 15) fuse.
 #ifndef LATENTD_MAX_FUSED_PARTIAL_ROWS  // overridable only to build tuning variants
 #define LATENTD_MAX_FUSED_PARTIAL_ROWS 128
 #endif
