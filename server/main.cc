@@ -389,8 +389,9 @@ int Run() {
   // Probes may ask for the whole server ("") or for the service by name.
   server->GetHealthCheckService()->SetServingStatus(latentd::v1::DecodeService::service_full_name(), true);
 
-  const std::string host = listen.substr(0, listen.rfind(':'));
-  const std::string address = absl::StrCat(host, ":", port);
+  const bool unix_socket = absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:");
+  const std::string host = unix_socket ? listen : listen.substr(0, listen.rfind(':'));
+  const std::string address = unix_socket ? listen : absl::StrCat(host, ":", port);
   const int64_t page_bytes = info.kv_bytes_per_token * kernels::kPageSize;
   spdlog::info(
       "latentd {} serving on {} | backend {} device {} | model {} layers {} h_q {} h_kv {} {} scale {:.6g} | "
