@@ -69,8 +69,16 @@ class EchoReactor final : public grpc::ServerGenericBidiReactor {
     }
     int64_t want = 0;
     std::vector<grpc::Slice> slices;
-    if (in_.Dump(&slices).ok() && !slices.empty() && slices[0].size() >= sizeof(want))
-      std::memcpy(&want, slices[0].begin(), sizeof(want));
+    // The first 8 bytes may span slices (a unix socket's reads split them anywhere).
+    if (in_.Dump(&slices).ok()) {
+      size_t got = 0;
+      for (const grpc::Slice& sl : slices) {
+        const size_t n = std::min(sizeof(want) - got, sl.size());
+        std::memcpy(reinterpret_cast<char*>(&want) + got, sl.begin(), n);
+        got += n;
+        if (got == sizeof(want)) break;
+      }
+    }
     want = std::clamp<int64_t>(want, 1, int64_t{256} << 20);
     if (static_cast<int64_t>(payload_.size()) != want) payload_ = grpc::Slice(static_cast<size_t>(want));
     grpc::Slice ref = payload_;
@@ -121,6 +129,11 @@ int Serve() {
 
 void* Tag(int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(i)); }
 
+std::vector<double> Fail(const char* what, std::vector<double> v) {
+  std::fprintf(stderr, "grpc_floor: %s failed\n", what);
+  return v;
+}
+
 // One stream's round trips on a completion queue of its own (as a sync client would).
 // Returns the measured round trips in microseconds; empty on a failure.
 std::vector<double> RunStream(grpc::GenericStub* stub, int messages, int64_t req_bytes, int64_t resp_bytes) {
@@ -131,7 +144,7 @@ std::vector<double> RunStream(grpc::GenericStub* stub, int messages, int64_t req
   void* got = nullptr;
   bool ok = false;
   call->StartCall(Tag(1));
-  if (!cq.Next(&got, &ok) || !ok) return rtt;
+  if (!cq.Next(&got, &ok) || !ok) return Fail("start", rtt);
   grpc::Slice payload(static_cast<size_t>(req_bytes));
   std::memcpy(const_cast<uint8_t*>(payload.begin()), &resp_bytes, std::min<int64_t>(8, req_bytes));
   const int warm = messages / 10;
@@ -140,11 +153,11 @@ std::vector<double> RunStream(grpc::GenericStub* stub, int messages, int64_t req
     grpc::ByteBuffer out(&ref, 1), in;
     const auto t0 = Clock::now();
     call->Write(out, Tag(2));
-    if (!cq.Next(&got, &ok) || !ok) return {};
+    if (!cq.Next(&got, &ok) || !ok) return Fail("write", {});
     call->Read(&in, Tag(3));
-    if (!cq.Next(&got, &ok) || !ok) return {};
+    if (!cq.Next(&got, &ok) || !ok) return Fail("read", {});
     const auto t1 = Clock::now();
-    if (static_cast<int64_t>(in.Length()) != resp_bytes) return {};
+    if (static_cast<int64_t>(in.Length()) != resp_bytes) return Fail("response size", {});
     if (m >= warm) rtt.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
   call->WritesDone(Tag(4));
