@@ -38,6 +38,9 @@ ABSL_FLAG(int, warmup_tokens, 5, "tokens run before measuring");
 ABSL_FLAG(int, s_q, 1, "query tokens per step");
 ABSL_FLAG(bool, causal, true, "causal masking for s_q > 1");
 ABSL_FLAG(int, check_every, 50, "check every Nth result against the CPU implementation (0: none)");
+ABSL_FLAG(int, messages_per_layer, 1,
+          "DecodeRequests each layer's B steps are split into, sent back to back (1: one message per layer); "
+          "more let the server work on the first while the rest cross the wire");
 ABSL_FLAG(bool, trace, true, "ask the server for StepTiming and print the breakdown");
 ABSL_FLAG(bool, shm, false,
           "same-host data plane: each runner's stream opens a shared region; q/kv are written there and "
@@ -196,11 +199,11 @@ int Main() {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
   }
-  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s, kv %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens%s\n",
+  std::printf("runner_bench: %s backend %s, h_q %d h_kv %d %s, kv %s; R=%d B=%d L=%d s_q=%d prefix %d, %d tokens, %d message(s) per layer%s\n",
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
               dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
               info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(), R, B, L, s_q, prefix, tokens,
-              cuda_region ? ", CUDA region" : shm ? ", shared region" : "");
+              std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B), cuda_region ? ", CUDA region" : shm ? ", shared region" : "");
   std::fflush(stdout);
 
   client::Reference ref(info, 4);
@@ -322,9 +325,13 @@ int Main() {
       std::vector<int64_t> length(static_cast<size_t>(B) * L, prefix);
       std::vector<int> q_of(static_cast<size_t>(B));
       uint64_t next_id = 1;
-      v1::DecodeRequest req;
+      // Step b goes in message b / per_msg of each layer.
+      const int n_msgs = std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B);
+      const int per_msg = (B + n_msgs - 1) / n_msgs;
+      std::vector<v1::DecodeRequest> reqs(static_cast<size_t>((B + per_msg - 1) / per_msg));
+      auto step_of = [&](int b) { return reqs[b / per_msg].mutable_steps(b % per_msg); };
       for (int b = 0; b < B; ++b) {
-        v1::DecodeStep* s = req.add_steps();
+        v1::DecodeStep* s = reqs[b / per_msg].add_steps();
         s->set_sequence_id(ids[r][b]);
         s->set_causal(causal);
         s->set_trace(trace);
@@ -351,7 +358,7 @@ int Main() {
           }
           std::map<uint64_t, int> index;  // request_id -> b
           for (int b = 0; b < B; ++b) {
-            v1::DecodeStep* s = req.mutable_steps(b);
+            v1::DecodeStep* s = step_of(b);
             const int qi = device != nullptr ? (layer_count + b) % kPool : static_cast<int>((next_id * 7 + b) % kPool);
             q_of[b] = qi;
             s->set_request_id(next_id);
@@ -371,8 +378,8 @@ int Main() {
               std::memcpy(region->data() + slot * b + q_at, q.data(), q.size());
               std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
             } else {
-              req.mutable_steps(b)->set_q(q);
-              req.mutable_steps(b)->set_kv(kv);
+              step_of(b)->set_q(q);
+              step_of(b)->set_kv(kv);
             }
           }
           if (device != nullptr && !device->Sync().ok()) {  // the inputs are complete before the send
@@ -382,7 +389,9 @@ int Main() {
             barrier.Wait();
             continue;
           }
-          if (!stream->Write(req)) {
+          bool written = true;
+          for (const v1::DecodeRequest& req : reqs) written = written && stream->Write(req);
+          if (!written) {
             st.first_error = "stream write failed";
             st.failed += B;
             broken = true;
