@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The model-runner benchmark against the real daemon (CPU backend) on a unix socket: gRPC
+# bytes in one and in several messages per layer, and the shared region; every sampled
+# result must match the CPU implementation and no step may fail.
+set -euo pipefail
+latentd=$1
+runner_bench=$2
+grpc_floor=$3
+dir=${TEST_TMPDIR:-$(mktemp -d)}
+# A socket path has at most 107 bytes, which the test's own directory can exceed.
+sockdir=$(mktemp -d /tmp/latentd-rb.XXXXXX)
+sock="$sockdir/latentd.sock"
+pid=
+trap 'kill -9 $pid 2>/dev/null || true; rm -rf "$sockdir"' EXIT
+"$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --num_heads_q=16 --kv_pages=2048 --listen="unix:$sock" \
+  --port_file="$dir/port" --stats_interval_s=0 > "$dir/latentd.log" 2>&1 &
+pid=$!
+for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+[[ -s $dir/port ]] || { cat "$dir/latentd.log"; exit 1; }
+grep -q "unix:$sock" "$dir/latentd.log" || { echo "the daemon did not name its unix socket"; cat "$dir/latentd.log"; exit 1; }
+run() {
+  out=$("$runner_bench" --target="unix:$sock" --runners=2 --batch=6 --layers=2 --prefix_len=70 --tokens=3 \
+    --warmup_tokens=1 --check_every=2 "$@")
+  echo "$out"
+  grep -q "failed steps: 0" <<<"$out"
+  grep -qE "checked [1-9][0-9]* results, mismatched 0" <<<"$out"
+}
+run
+# Six steps in three messages: three responses per layer, all results still right.
+run --messages_per_layer=3
+grep -q "3 message(s) per layer" <<<"$out"
+grep -q "responses per layer: 3.00" <<<"$out"
+run --shm
+kill -TERM $pid
+wait $pid
+
+# The echo tool that measures gRPC's own floor: both transports, one small run each.
+rm -f "$dir/fport"
+"$grpc_floor" --serve --listen="unix:$sockdir/floor.sock" --port_file="$dir/fport" > "$dir/floor.log" 2>&1 &
+pid=$!
+for _ in $(seq 500); do [[ -s $dir/fport ]] && break; sleep 0.02; done
+out=$("$grpc_floor" --target="unix:$sockdir/floor.sock" --streams=4 --connections=2 --request_bytes=70000 \
+  --response_bytes=5000 --messages=30)
+echo "$out"
+grep -qE "round trip p50 [0-9.]+ +p90 [0-9.]+ +p99 [0-9.]+ us" <<<"$out"
+kill $pid
+wait $pid || true
