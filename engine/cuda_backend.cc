@@ -5,7 +5,8 @@
 // slots, allocated once: nothing is allocated per step. Steps whose tensors lie in
 // registered host memory (a same-host client's region) skip the host staging: one
 // copy-list kernel reads their q and rows from it over PCIe, another writes out and lse
-// back into it.
+// back into it. Steps whose inputs only are there (a stream's own registered buffers)
+// are read the same way and get their results staged.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -60,6 +61,14 @@ absl::StatusOr<uint64_t> AllocationSize(uint64_t base) {
 // Where the device reaches a tensor of a step in registered host memory.
 uint64_t DeviceAddress(const DecodeStep& step, const void* p) {
   return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
+}
+
+// Whether the device reads a step's q and rows straight from registered host memory
+// (all its tensors there, or its inputs only), and where it reaches one of them.
+bool InputsDirect(const DecodeStep& step) { return step.device_base != 0 || step.in_device_base != 0; }
+uint64_t InputAddress(const DecodeStep& step, const void* p) {
+  if (step.device_base != 0) return DeviceAddress(step, p);
+  return step.in_device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.in_host_base);
 }
 
 class CudaBackend final : public AttentionBackend {
@@ -236,9 +245,12 @@ class CudaBackend final : public AttentionBackend {
     s.off_dst = AlignUp(s.off_kv + size_t(tokens) * row_bytes_);
     s.off_seqlens = AlignUp(s.off_dst + size_t(tokens) * sizeof(int64_t));
     s.off_copies = AlignUp(s.off_seqlens + entries * sizeof(int32_t));
-    size_t direct = 0;  // steps in registered memory
-    for (int k : s.order) direct += batch.entries[k].step->device_base != 0;
-    s.off_tables = AlignUp(s.off_copies + 4 * direct * sizeof(DeviceCopy));
+    size_t direct = 0;  // copies of steps in registered memory: two in, and two out when out is there too
+    for (int k : s.order) {
+      const DecodeStep& step = *batch.entries[k].step;
+      direct += (InputsDirect(step) ? 2 : 0) + (step.device_base != 0 ? 2 : 0);
+    }
+    s.off_tables = AlignUp(s.off_copies + direct * sizeof(DeviceCopy));
     char* q = s.host_in;
     char* kv = s.host_in + s.off_kv;
     auto* dst = reinterpret_cast<int64_t*>(s.host_in + s.off_dst);
@@ -255,9 +267,9 @@ class CudaBackend final : public AttentionBackend {
     for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
       const BatchEntry& e = batch.entries[s.order[k]];
       const DecodeStep& step = *e.step;
-      if (step.device_base != 0) {
+      if (InputsDirect(step)) {
         // In registered memory: the copy lists move it (in: q, rows; out: out, lse).
-        auto dev = [&](const void* p) { return DeviceAddress(step, p); };
+        auto dev = [&](const void* p) { return InputAddress(step, p); };
         DeviceCopy* in = copies + 2 * s.copies_in;
         in[0] = {dev(step.q.data()), dev_in + token * q_token, step.q.size()};
         in[1] = {dev(step.kv.data()), dev_in + s.off_kv + s.rows * row_bytes_, step.kv.size()};
@@ -266,8 +278,8 @@ class CudaBackend final : public AttentionBackend {
       } else {
         std::memcpy(q + size_t(token) * q_token, step.q.data(), step.q.size());
         std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.data(), step.kv.size());
-        s.staged_tokens += step.s_q;
       }
+      if (step.device_base == 0) s.staged_tokens += step.s_q;  // its results come back through host_out
       for (int r = 0; r < e.num_slots; ++r)
         for (int t = 0; t < e.slots[r].n; ++t)
           dst[s.rows++] = (e.page_offset + e.slots[r].page) * kPageSize + e.slots[r].row + t;
@@ -381,7 +393,7 @@ class CudaBackend final : public AttentionBackend {
     size_t off_kv = 0, off_dst = 0, off_seqlens = 0, off_copies = 0, off_tables = 0;  // this batch's packing
     int copies_in = 0, copies_out = 0;  // steps in registered memory (two copies each way)
     uint64_t max_copy_in = 0, max_copy_out = 0;
-    int staged_tokens = 0;  // tokens of steps staged through host_in / host_out
+    int staged_tokens = 0;  // tokens of steps whose results come back through host_out
     char* dev_in = nullptr;
     char* host_out = nullptr;  // pinned: lse | out
     char* dev_out = nullptr;

@@ -129,6 +129,11 @@ struct DecodeStep {
   // between that memory and the device, with no staging copy on the host.
   const char* host_base = nullptr;
   uint64_t device_base = 0;
+  // Set instead when only q and kv lie in registered host memory (a stream's own input
+  // buffers): the backend reads them from there with no staging copy and returns out
+  // and lse as for any other step. Ignored when device_base is set.
+  const char* in_host_base = nullptr;
+  uint64_t in_device_base = 0;
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;

@@ -585,11 +585,34 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
   std::vector<std::string> seqs = {h.NewSequence(70), h.NewSequence(300), h.NewSequence(1), h.NewSequence(129)};
   std::vector<Harness::Pending*> steps;
   std::vector<bool> direct;
+  std::vector<int> modes;
   size_t at = 0;
-  for (int round = 0; round < 2; ++round)
+  // Mode 0: staged; 1: every tensor in the registered memory; 2: q and kv there only
+  // (DecodeStep::in_host_base), out and lse in the step's own buffers.
+  for (int round = 0; round < 3; ++round)
     for (size_t i = 0; i < seqs.size(); ++i) {
       Harness::Pending* p = h.MakeStep(seqs[i], int(i % 2), 1 + int(i % 3), i % 2 == 1);
-      const bool in_region = (i + round) % 2 == 0;
+      const int mode = static_cast<int>((i + round) % 3);
+      const bool in_region = mode == 1;
+      modes.push_back(mode);
+      if (mode == 2) {
+        auto place = [&](size_t bytes) {
+          char* ptr = base + at;
+          at = (at + bytes + 15) / 16 * 16;
+          return ptr;
+        };
+        char* q = place(p->q.size());
+        std::memcpy(q, p->q.data(), p->q.size());
+        char* kv = place(p->kv.size());
+        std::memcpy(kv, p->kv.data(), p->kv.size());
+        p->step.q = absl::string_view(q, p->q.size());
+        p->step.kv = absl::string_view(kv, p->kv.size());
+        if (dev != 0) {
+          p->step.in_host_base = base;
+          p->step.in_device_base = dev;
+        }
+        ASSERT_LE(at, region_bytes);
+      }
       if (in_region) {
         at += (i == 2 ? 2 : 0);  // one unaligned step
         auto place = [&](size_t bytes) {
@@ -627,7 +650,10 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
       std::memcpy(p->out.data(), p->step.out, p->out.size() * 2);
       std::memcpy(p->lse.data(), p->step.lse, p->lse.size() * 4);
     }
-    EXPECT_TRUE(h.Check(*p, kExact)) << "step " << k << (direct[k] ? " (in registered memory)" : " (staged)");
+    EXPECT_TRUE(h.Check(*p, kExact)) << "step " << k
+                                     << (modes[k] == 1   ? " (in registered memory)"
+                                         : modes[k] == 2 ? " (inputs in registered memory)"
+                                                         : " (staged)");
   }
   if (dev != 0) engine->UnregisterHostMemory(base);
 }

@@ -47,6 +47,22 @@ bool ReadBoundedBytes(CodedInputStream* in, int64_t bound, std::string* dst, int
   return in->ReadString(dst, static_cast<int>(len));
 }
 
+// As ReadBoundedBytes, but into `raw` (cap bytes) when the field fits there; *in_raw says
+// where it went (the string is cleared then).
+bool ReadBoundedBytesTo(CodedInputStream* in, int64_t bound, char* raw, int64_t cap, std::string* dst,
+                        int64_t* size, bool* in_raw) {
+  *in_raw = false;
+  if (raw == nullptr) return ReadBoundedBytes(in, bound, dst, size);
+  uint32_t len = 0;
+  if (!in->ReadVarint32(&len) || len > static_cast<uint32_t>(INT_MAX)) return false;
+  *size = len;
+  dst->clear();
+  if (static_cast<int64_t>(len) > bound) return in->Skip(static_cast<int>(len));
+  if (static_cast<int64_t>(len) > cap) return in->ReadString(dst, static_cast<int>(len));
+  *in_raw = true;
+  return in->ReadRaw(raw, static_cast<int>(len));
+}
+
 // Reads fields until the current limit; false when the bytes are malformed.
 template <typename OnField>
 bool ReadFields(CodedInputStream* in, OnField on_field) {
@@ -74,6 +90,7 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
   out->sequence_id->clear();
   out->q->clear();
   out->kv->clear();
+  out->q_raw = out->kv_raw = false;
   return ReadFields(in, [&](int field, int type, bool* handled) {
     uint64_t v = 0;
     if (type == kVarint && (field == kStepRequestId || field == kStepLayer || field == kStepCausal ||
@@ -111,8 +128,9 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
     if (type == kLen && (field == kStepSequenceId || field == kStepQ || field == kStepKv)) {
       *handled = true;
       if (field == kStepSequenceId) return ReadBoundedBytes(in, b.max_id_bytes, out->sequence_id, &out->sequence_id_bytes);
-      if (field == kStepQ) return ReadBoundedBytes(in, b.max_q_bytes, out->q, &out->q_bytes);
-      return ReadBoundedBytes(in, b.max_kv_bytes, out->kv, &out->kv_bytes);
+      if (field == kStepQ)
+        return ReadBoundedBytesTo(in, b.max_q_bytes, out->q_dst, out->q_cap, out->q, &out->q_bytes, &out->q_raw);
+      return ReadBoundedBytesTo(in, b.max_kv_bytes, out->kv_dst, out->kv_cap, out->kv, &out->kv_bytes, &out->kv_raw);
     }
     return true;
   });

@@ -38,6 +38,13 @@ struct StepFields {
   std::string* sequence_id = nullptr;
   std::string* q = nullptr;
   std::string* kv = nullptr;
+  // Optional: memory q and kv are read into instead of the strings when they fit in
+  // q_cap / kv_cap bytes (and their bounds); q_raw / kv_raw then say that they went there.
+  char* q_dst = nullptr;
+  int64_t q_cap = 0;
+  char* kv_dst = nullptr;
+  int64_t kv_cap = 0;
+  bool q_raw = false, kv_raw = false;
 };
 
 // DecodeRequest.open_cuda_region as read off the wire (present: the field was there).

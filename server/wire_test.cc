@@ -103,6 +103,53 @@ TEST(WireTest, OversizedFieldsAreSkippedWithTheirSize) {
   EXPECT_EQ(buf.q, req.steps(1).q());
 }
 
+// q and kv go into the caller's memory when they fit there, into the strings when they
+// do not, and nowhere when they are over their bounds; the sizes are the wire's.
+TEST(WireTest, FieldsGoIntoRawMemoryWhenTheyFit) {
+  v1::DecodeRequest req;
+  *req.add_steps() = MakeStep(1, "fits", 0, 48, 16);
+  *req.add_steps() = MakeStep(2, "q-too-big", 0, 80, 16);
+  *req.add_steps() = MakeStep(3, "over-bound", 0, 48, 200);
+  const std::string bytes = req.SerializeAsString();
+  StepBounds b;
+  b.max_q_bytes = 1000;
+  b.max_kv_bytes = 100;
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  Buffers buf;
+  std::string raw_q(64, 'x'), raw_kv(32, 'y');
+  auto fields = [&] {
+    StepFields f = buf.Fields();
+    f.q_dst = &raw_q[0];
+    f.q_cap = 64;
+    f.kv_dst = &raw_kv[0];
+    f.kv_cap = 32;
+    return f;
+  };
+  StepFields f = fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_TRUE(f.q_raw);
+  EXPECT_TRUE(f.kv_raw);
+  EXPECT_EQ(f.q_bytes, 48);
+  EXPECT_EQ(raw_q.substr(0, 48), req.steps(0).q());
+  EXPECT_EQ(raw_q.substr(48), std::string(16, 'x'));  // nothing past the field
+  EXPECT_EQ(raw_kv.substr(0, 16), req.steps(0).kv());
+  EXPECT_TRUE(buf.q.empty());
+  f = fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_FALSE(f.q_raw);
+  EXPECT_TRUE(f.kv_raw);
+  EXPECT_EQ(buf.q, req.steps(1).q());
+  EXPECT_EQ(raw_kv.substr(0, 16), req.steps(1).kv());
+  f = fields();
+  ASSERT_TRUE(*reader.Next(b, &f));
+  EXPECT_TRUE(f.q_raw);
+  EXPECT_FALSE(f.kv_raw);
+  EXPECT_EQ(f.kv_bytes, 200);
+  EXPECT_TRUE(buf.kv.empty());
+  EXPECT_EQ(raw_q.substr(0, 48), req.steps(2).q());
+}
+
 TEST(WireTest, CountStopsAtTheLimitWithoutReadingFurther) {
   // 100000 empty steps: 2 bytes each on the wire.
   std::string bytes;
