@@ -100,6 +100,10 @@ ABSL_FLAG(int, max_streams_per_connection, 1024,
 ABSL_FLAG(int64_t, max_upload_bytes, int64_t{256} << 20,
           "AppendKv bytes received and not yet applied, over all streams; beyond it the upload fails "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, pinned_step_inputs, "auto",
+          "auto: read Decode steps' q and kv straight into host memory registered with the GPU, which reads "
+          "them from there (no staging copy per step; the buffers count in --max_inflight_bytes); off: into "
+          "plain buffers, staged per batch; always: those buffers even unregistered (tests on the CPU backend)");
 ABSL_FLAG(int64_t, max_response_bytes, int64_t{2} << 20,
           "results coalesced into one DecodeResponse (soft cap: a single result may exceed it); clients must "
           "accept messages this large (gRPC's default receive limit is 4 MiB)");
@@ -351,6 +355,16 @@ int Run() {
   if (so.max_streams < 1) return Fail("--max_streams: expected at least 1");
   if (so.max_upload_bytes < 1) return Fail("--max_upload_bytes: expected at least 1");
   so.max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
+  const std::string pinned = absl::GetFlag(FLAGS_pinned_step_inputs);
+  if (pinned == "auto") {
+    so.pinned_step_inputs = ServiceOptions::PinnedInputs::kAuto;
+  } else if (pinned == "off") {
+    so.pinned_step_inputs = ServiceOptions::PinnedInputs::kOff;
+  } else if (pinned == "always") {
+    so.pinned_step_inputs = ServiceOptions::PinnedInputs::kAlways;
+  } else {
+    return Fail("--pinned_step_inputs: expected auto, off or always, got '" + pinned + "'");
+  }
   if (so.max_response_bytes < 1) return Fail("--max_response_bytes: expected at least 1");
   so.max_region_bytes = absl::GetFlag(FLAGS_max_region_bytes);
   so.max_region_total_bytes = absl::GetFlag(FLAGS_max_region_total_bytes);

@@ -108,7 +108,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                             public engine::StepCallback {
  public:
   DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial, uint64_t flow)
-      : service_(service), ctx_(ctx), flow_(flow) {
+      : service_(service), ctx_(ctx), flow_(flow), pin_inputs_(service->options().pinned_step_inputs != ServiceOptions::PinnedInputs::kOff),
+        pin_always_(service->options().pinned_step_inputs == ServiceOptions::PinnedInputs::kAlways) {
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
       finished_ = true;
@@ -272,6 +273,14 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // base only and hands it back in StepDone.
   struct Slot : engine::DecodeStep {
     std::string q_buf, kv_buf;     // inputs, read straight off the wire
+    // Where the wire reader puts q and kv when they fit (--pinned_step_inputs): page-aligned
+    // memory registered with the engine, [q of pin_s_q tokens | kv of pin_s_q tokens], so
+    // the device reads them from here with no staging copy. Grown, and registered again,
+    // only when a step does not fit (warm-up); never while the slot is in flight.
+    char* pin = nullptr;
+    size_t pin_bytes = 0, pin_kv_at = 0;
+    int64_t pin_s_q = 0;
+    uint64_t pin_device = 0;
     std::string out_buf, lse_buf;  // results, written by the engine in place
     int32_t code = 0;              // google.rpc code of the result
     std::string message;
@@ -544,7 +553,52 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   static int64_t HeldBytes(const Slot* s) {
     return static_cast<int64_t>(s->q_buf.capacity() + s->kv_buf.capacity() + s->out_buf.capacity() +
-                                s->lse_buf.capacity() + s->sequence_id.capacity() + s->message.capacity());
+                                s->lse_buf.capacity() + s->sequence_id.capacity() + s->message.capacity() +
+                                s->pin_bytes);
+  }
+
+  void FreePinned(Slot* s) {
+    if (s->pin == nullptr) return;
+    if (s->pin_device != 0) service_->engine()->UnregisterHostMemory(s->pin);
+    munmap(s->pin, s->pin_bytes);
+    s->pin = nullptr;
+    s->pin_bytes = s->pin_kv_at = 0;
+    s->pin_s_q = 0;
+    s->pin_device = 0;
+  }
+
+  // After a valid byte step of s_q tokens that did not fit the slot's registered inputs:
+  // makes them large enough for it next time, charged like the slot's other buffers.
+  // The stream stops trying once the engine does not register memory (the CPU backend)
+  // or the budget refuses.
+  void GrowPinned(Slot* s, int64_t s_q, const DecodeServiceImpl::Shape& sh) {
+    if (!pin_inputs_ || s_q <= s->pin_s_q) return;
+    const size_t page = 4096;
+    const size_t kv_at = static_cast<size_t>(s_q * sh.q_row_bytes + 255) / 256 * 256;
+    const size_t bytes = (kv_at + static_cast<size_t>(s_q * sh.kv_row_bytes) + page - 1) / page * page;
+    const int64_t old_bytes = static_cast<int64_t>(s->pin_bytes);
+    const int64_t grow = std::max<int64_t>(0, static_cast<int64_t>(bytes) - old_bytes);
+    if (grow > 0 && !service_->ChargeInflight(grow)) return;
+    FreePinned(s);  // its bytes stay charged until the new buffer is in place or refused
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const uint64_t dev = m == MAP_FAILED ? 0 : service_->engine()->RegisterHostMemory(m, bytes);
+    if (m == MAP_FAILED || (dev == 0 && !pin_always_)) {
+      if (m != MAP_FAILED) munmap(m, bytes);
+      pin_inputs_ = false;
+      service_->ReleaseInflight(grow + old_bytes);
+      s->charged -= old_bytes;
+      return;
+    }
+    s->pin = static_cast<char*>(m);
+    s->pin_bytes = bytes;
+    s->pin_kv_at = kv_at;
+    s->pin_s_q = s_q;
+    s->pin_device = dev;
+    s->charged += grow;
+    if (static_cast<int64_t>(bytes) < old_bytes) {
+      service_->ReleaseInflight(old_bytes - static_cast<int64_t>(bytes));
+      s->charged -= old_bytes - static_cast<int64_t>(bytes);
+    }
   }
 
   // Brings the slot's charge up to what its buffers hold plus `extra` bytes they are
@@ -565,6 +619,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   void DeleteSlot(Slot* s) {
     DropPart(s);
+    FreePinned(s);  // its bytes are part of s->charged, released below
     if (s->charged > 0) service_->ReleaseInflight(s->charged);
     delete s;
   }
@@ -633,6 +688,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       f.sequence_id = &slot->sequence_id;
       f.q = &slot->q_buf;
       f.kv = &slot->kv_buf;
+      if (slot->pin != nullptr) {
+        f.q_dst = slot->pin;
+        f.q_cap = slot->pin_s_q * sh.q_row_bytes;
+        f.kv_dst = slot->pin + slot->pin_kv_at;
+        f.kv_cap = slot->pin_s_q * sh.kv_row_bytes;
+      }
       auto more = steps.Next(bounds, &f);
       if (!more.ok() || !*more) {  // the count pass read the same bytes; defensive only
         SetFatal(grpc::StatusCode::INVALID_ARGUMENT, more.ok() ? "DecodeRequest: fewer steps than counted"
@@ -661,6 +722,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                          service_->options().max_inflight_bytes, "; retry after results come back"));
       }
       if (st.ok()) Prepare(slot, f, sh);
+      if (st.ok() && !f.has_region && !(f.q_raw && f.kv_raw)) GrowPinned(slot, slot->s_q, sh);
       slot->code = static_cast<int32_t>(st.code());
       if (!st.ok()) SetError(slot, st);
     }
@@ -750,11 +812,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->lse = reinterpret_cast<float*>(region_ + f.lse_offset);
       slot->host_base = region_device_ != 0 ? region_ : nullptr;
       slot->device_base = region_device_;
+      slot->in_host_base = nullptr;
+      slot->in_device_base = 0;
     } else {
       slot->host_base = nullptr;
       slot->device_base = 0;
-      slot->q = slot->q_buf;
-      slot->kv = slot->kv_buf;
+      slot->q = f.q_raw ? absl::string_view(slot->pin, static_cast<size_t>(f.q_bytes)) : absl::string_view(slot->q_buf);
+      slot->kv = f.kv_raw ? absl::string_view(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
+                          : absl::string_view(slot->kv_buf);
+      // Both in the registered buffer: the device reads them there (no staging copy).
+      const bool pinned = f.q_raw && f.kv_raw && slot->pin_device != 0;
+      slot->in_host_base = pinned ? slot->pin : nullptr;
+      slot->in_device_base = pinned ? slot->pin_device : 0;
       slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
       slot->out = nullptr;  // set by LayOut
       slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
@@ -1023,6 +1092,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   int region_fd_ = -1;
   char* region_ = nullptr;
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered
+  // Read side only: whether byte steps' inputs go into registered slot memory
+  // (--pinned_step_inputs, until the engine first refuses to register some).
+  bool pin_inputs_ = true;
+  const bool pin_always_;  // kAlways: keep the buffers unregistered where registering fails
   uint64_t region_bytes_ = 0;
   // A CUDA region (open_cuda_region): region_ is a PROT_NONE reservation, the memory
   // the client's device allocation opened as region_memory_.

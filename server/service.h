@@ -44,6 +44,13 @@ struct ServiceOptions {
   // regions together (memory the daemon maps for clients).
   int64_t max_region_bytes = int64_t{1} << 30;
   int64_t max_region_total_bytes = int64_t{8} << 30;
+  // Byte steps' q and kv are read into host memory registered with the engine (CUDA:
+  // pinned and mapped), which the device reads directly: no staging copy per step. Costs
+  // one registration per step buffer as a stream warms up; counted in max_inflight_bytes.
+  // kAlways keeps the buffers even where the engine registers none (the CPU backend),
+  // which only tests want: the same path without a GPU.
+  enum class PinnedInputs { kOff, kAuto, kAlways };
+  PinnedInputs pinned_step_inputs = PinnedInputs::kAuto;
   // Free step buffers a stream keeps once it has had nothing in flight for a while.
   int idle_stream_slots = 8;
   std::string version;
