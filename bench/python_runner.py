@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=30)
     ap.add_argument("--warmup_tokens", type=int, default=3)
     ap.add_argument("--shm", action="store_true")
+    ap.add_argument("--messages_per_layer", type=int, default=1,
+                    help="DecodeRequests each layer's steps are split into, sent back to back")
     ap.add_argument("--cuda", action="store_true",
                     help="the region is a torch CUDA tensor (open_cuda_region); inputs copied on the GPU")
     a = ap.parse_args()
@@ -52,6 +54,15 @@ def main():
     q_pool = rng.integers(0, 1 << 16, size=(B, h_q, 576), dtype=np.uint16) & 0xBFFF
     kv_pool = rng.integers(0, 1 << 16, size=(B, h_kv, 576), dtype=np.uint16) & 0xBFFF
     times = []
+    per_msg = -(-B // max(1, min(a.messages_per_layer, B)))
+
+    def split(submit, steps):
+        # One layer's steps as messages of per_msg steps, written back to back.
+        ids = []
+        for i in range(0, len(steps), per_msg):
+            ids += submit(steps[i:i + per_msg])
+        return ids
+
     with c.open_session() as session:
         if a.cuda:
             import torch
@@ -80,16 +91,16 @@ def main():
                     q_dst.copy_(q_dev)
                     kv_dst.copy_(kv_dev)
                     torch.cuda.synchronize()
-                    ids = session.submit_region(cuda_steps(layer))
+                    ids = split(session.submit_region, cuda_steps(layer))
                 elif a.shm:
                     for b in range(B):
                         q_views[b][:] = q_pool[b]
                         kv_views[b][:] = kv_pool[b]
-                    ids = session.submit_region([dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=b * slot,
+                    ids = split(session.submit_region, [dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=b * slot,
                                                       kv_offset=b * slot + qb, out_offset=b * slot + qb + kvb,
                                                       lse_offset=b * slot + qb + kvb + ob) for b in range(B)])
                 else:
-                    ids = session.submit_many([dict(sequence_id=seqs[b], layer=layer, q=q_pool[b].tobytes(),
+                    ids = split(session.submit_many, [dict(sequence_id=seqs[b], layer=layer, q=q_pool[b].tobytes(),
                                                     kv=kv_pool[b].tobytes()) for b in range(B)])
                 got = 0
                 outs = {}
@@ -112,7 +123,8 @@ def main():
         for _ in results:
             pass
     t = np.array(times)
-    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'shared region' if a.shm else 'gRPC bytes'}: per-layer p50 "
+    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'shared region' if a.shm else 'gRPC bytes'}, "
+          f"{-(-B // per_msg)} message(s) per layer: per-layer p50 "
           f"{np.percentile(t, 50):.3f} ms p90 {np.percentile(t, 90):.3f} ms p99 {np.percentile(t, 99):.3f} ms "
           f"({len(t)} layers)")
     for s in seqs:
