@@ -569,15 +569,15 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // After a valid byte step of s_q tokens that did not fit the slot's registered inputs:
   // makes them large enough for it next time, charged like the slot's other buffers.
-  // The stream stops trying once the engine does not register memory (the CPU backend)
-  // or the budget refuses.
+  // The stream stops trying once the engine does not register memory (the CPU backend,
+  // unless kAlways); a refused budget only skips this growth.
   void GrowPinned(Slot* s, int64_t s_q, const DecodeServiceImpl::Shape& sh) {
     if (!pin_inputs_ || s_q <= s->pin_s_q) return;
     const size_t page = 4096;
     const size_t kv_at = static_cast<size_t>(s_q * sh.q_row_bytes + 255) / 256 * 256;
     const size_t bytes = (kv_at + static_cast<size_t>(s_q * sh.kv_row_bytes) + page - 1) / page * page;
     const int64_t old_bytes = static_cast<int64_t>(s->pin_bytes);
-    const int64_t grow = std::max<int64_t>(0, static_cast<int64_t>(bytes) - old_bytes);
+    const int64_t grow = static_cast<int64_t>(bytes) - old_bytes;
     if (grow > 0 && !service_->ChargeInflight(grow)) return;
     FreePinned(s);  // its bytes stay charged until the new buffer is in place or refused
     void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -594,11 +594,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     s->pin_kv_at = kv_at;
     s->pin_s_q = s_q;
     s->pin_device = dev;
-    s->charged += grow;
-    if (static_cast<int64_t>(bytes) < old_bytes) {
-      service_->ReleaseInflight(old_bytes - static_cast<int64_t>(bytes));
-      s->charged -= old_bytes - static_cast<int64_t>(bytes);
-    }
+    s->charged += grow;  // s_q only grows, so the buffer never shrinks here
   }
 
   // Brings the slot's charge up to what its buffers hold plus `extra` bytes they are

@@ -1,6 +1,6 @@
-// HTTP/2 transport settings latentd applies on both ends of its gRPC connections
-// (daemon, client library, benchmark tools): flow-control window, frame size and TCP
-// read size, which set how fast a megabyte-sized Decode message crosses loopback.
+// HTTP/2 transport settings for both ends of a gRPC connection: flow-control window,
+// frame size and TCP read size. Used by //server:grpc_floor to measure their effect; the
+// daemon keeps gRPC's defaults, which measured as fast (docs/benchmarks.md, 2026-12-03).
 #pragma once
 
 #include <cstdint>

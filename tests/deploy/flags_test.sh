@@ -31,6 +31,11 @@ set +e
 out=$("$latentd" --model=deepseek-v3 --tensor_parallel=3 2>&1); rc=$?
 set -e
 [[ $rc -eq 2 && $out == *--tensor_parallel* ]] || fail "--tensor_parallel=3: rc $rc: $out"
+set +e
+out=$("$latentd" --backend=cpu --pinned_step_inputs=sometimes 2>&1); rc=$?
+set -e
+[[ $rc -eq 2 && $out == *--pinned_step_inputs* && $out == *"auto, off or always"* ]] ||
+  fail "--pinned_step_inputs=sometimes: rc $rc: $out"
 
 # The example flag file on the CPU backend: later flags override the file's GPU and TLS
 # settings; the preset fills the shape, --num_layers given explicitly wins over it.
