@@ -110,6 +110,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial, uint64_t flow)
       : service_(service), ctx_(ctx), flow_(flow), pin_inputs_(service->options().pinned_step_inputs != ServiceOptions::PinnedInputs::kOff),
         pin_always_(service->options().pinned_step_inputs == ServiceOptions::PinnedInputs::kAlways) {
+    refs_.store(1, std::memory_order_release);  // publishes the members above (see Ref)
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
       finished_ = true;
@@ -209,7 +210,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Act(p);
   }
 
-  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  // Acquire: the first Ref on another gRPC thread (OnCancel, say) then synchronizes with
+  // the constructor's release store, an ordering gRPC provides but TSan cannot see.
+  void Ref() { refs_.fetch_add(1, std::memory_order_acquire); }
   void Unref() {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
