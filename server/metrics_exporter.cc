@@ -174,6 +174,19 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
     }
     out.push_back(std::move(f));
   }
+  {
+    MetricFamily f = Family("latentd_step_inputs_total",
+                            "Decode steps submitted whose q and kv were parsed into the stream's pinned-input "
+                            "buffer (pinned), or read by the device where they lay, with no host staging copy "
+                            "(device_direct: registered pinned inputs or a registered shared region).",
+                            MetricType::Counter);
+    for (const auto& [path, value] : {std::pair<const char*, uint64_t>{"pinned", c.steps_inputs_pinned},
+                                      {"device_direct", c.steps_inputs_device_direct}}) {
+      f.metric.push_back(Labelled({{"path", path}}));
+      f.metric.back().counter.value = static_cast<double>(value);
+    }
+    out.push_back(std::move(f));
+  }
   out.push_back(Counter("latentd_auth_failures_total", "Calls refused for a missing or wrong bearer token.",
                         static_cast<double>(s.auth_failures)));
   {

@@ -48,6 +48,8 @@ MetricsSnapshot SampleSnapshot() {
   s.service.refused_uploads = 3;
   s.service.results_delivered = 99;
   s.service.results_undelivered = 1;
+  s.service.steps_inputs_pinned = 17;
+  s.service.steps_inputs_device_direct = 11;
   s.service.open_streams = 2;
   s.auth_failures = 4;
   return s;
@@ -145,6 +147,8 @@ TEST(MetricFamilies, SerializesToTextFormat) {
   EXPECT_THAT(t, HasSubstr("latentd_batch_size_bucket{le=\"+Inf\"} 7\n"));
   EXPECT_THAT(t, HasSubstr("latentd_rejections_total{reason=\"invalid\"} 5\n"));
   EXPECT_THAT(t, HasSubstr("latentd_results_total{outcome=\"delivered\"} 99\n"));
+  EXPECT_THAT(t, HasSubstr("latentd_step_inputs_total{path=\"pinned\"} 17\n"));
+  EXPECT_THAT(t, HasSubstr("latentd_step_inputs_total{path=\"device_direct\"} 11\n"));
   EXPECT_THAT(t, HasSubstr("latentd_step_queue_wait_seconds{quantile=\"0.99\"}"));
 }
 

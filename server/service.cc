@@ -823,10 +823,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const bool pinned = f.q_raw && f.kv_raw && slot->pin_device != 0;
       slot->in_host_base = pinned ? slot->pin : nullptr;
       slot->in_device_base = pinned ? slot->pin_device : 0;
+      if (f.q_raw && f.kv_raw) service_->steps_inputs_pinned_.fetch_add(1, std::memory_order_relaxed);
       slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
       slot->out = nullptr;  // set by LayOut
       slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
     }
+    if (slot->device_base != 0 || slot->in_device_base != 0)
+      service_->steps_inputs_device_direct_.fetch_add(1, std::memory_order_relaxed);
     slot->deadline =
         f.timeout_ms > 0 ? absl::Now() + absl::Milliseconds(f.timeout_ms) : absl::InfiniteFuture();
     slot->cancelled = &cancelled_;
@@ -1350,6 +1353,8 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   c.region_bytes = region_bytes_.load(std::memory_order_relaxed);
   c.regions = regions_.load(std::memory_order_relaxed);
   c.refused_regions = refused_regions_.load(std::memory_order_relaxed);
+  c.steps_inputs_pinned = steps_inputs_pinned_.load(std::memory_order_relaxed);
+  c.steps_inputs_device_direct = steps_inputs_device_direct_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -1414,6 +1419,8 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_draining(draining());
   response->set_kv_dtype(kernels::KvDTypeName(info.kv_dtype, info.model.dtype));
   response->set_kv_bytes_per_token(info.kv_bytes_per_token);
+  response->set_steps_inputs_pinned(steps_inputs_pinned_.load(std::memory_order_relaxed));
+  response->set_steps_inputs_device_direct(steps_inputs_device_direct_.load(std::memory_order_relaxed));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

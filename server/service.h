@@ -73,6 +73,10 @@ struct ServiceCounters {
   int64_t region_bytes = 0;          // shared regions mapped for open streams
   int64_t regions = 0;
   uint64_t refused_regions = 0;      // over max_region_bytes / max_region_total_bytes
+  // Steps submitted with q and kv parsed into the stream's pinned-input buffer, and with
+  // inputs the device reads in place (registered memory: no host staging copy).
+  uint64_t steps_inputs_pinned = 0;
+  uint64_t steps_inputs_device_direct = 0;
 };
 
 // Maps an absl::Status onto the gRPC status with the same code and message.
@@ -188,6 +192,7 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<int64_t> upload_bytes_{0};
   std::atomic<int64_t> region_bytes_{0}, regions_{0};
   std::atomic<uint64_t> refused_regions_{0};
+  std::atomic<uint64_t> steps_inputs_pinned_{0}, steps_inputs_device_direct_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},
       refused_messages_{0}, refused_uploads_{0};

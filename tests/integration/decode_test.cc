@@ -5,6 +5,7 @@
 // stores them).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -234,6 +235,61 @@ TEST(DecodeFlowControlTest, StreamBeyondItsInflightLimit) {
   ASSERT_TRUE(results.ok()) << results.status();
   ASSERT_EQ(results->size(), steps.size());
   for (const auto& [id, r] : *results) EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+}
+
+// Steps' inputs take the path the flags ask for, as the server counts it: into the
+// stream's pinned-input buffer with --pinned_step_inputs=always (or auto on a CUDA
+// engine), not at all with off or auto on the CPU engine (which registers no memory),
+// and read by the device in place only where the engine registered that buffer.
+TEST(DecodeInputPathTest, StepsTakeThePathTheFlagsAsk) {
+  const std::string extra = std::getenv("LATENTD_DAEMON_FLAGS") != nullptr ? std::getenv("LATENTD_DAEMON_FLAGS") : "";
+  const auto has = [&](const char* flag) { return extra.find(flag) != std::string::npos; };
+  const bool cuda = has("--backend=cuda");
+  const bool pinned =
+      has("--pinned_step_inputs=always") || (cuda && !has("--pinned_step_inputs=off"));
+  Daemon daemon({"--num_layers=2"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 3; ++i) {
+    auto s = tracker.NewSequence({40 + 30 * i, 9});
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
+  }
+  // Six messages of four steps, each answered before the next is sent, so the stream
+  // reuses its slots (and their pinned buffers) instead of opening new ones.
+  constexpr int kMessages = 6, kSteps = 4;
+  auto stream = (*c)->OpenDecodeStream();
+  for (int m = 0; m < kMessages; ++m) {
+    v1::DecodeRequest req;
+    for (int i = 0; i < kSteps; ++i) *req.add_steps() = tracker.Step(seqs[(m + i) % 3], m % 2, 2, i % 2 == 0);
+    ASSERT_TRUE(stream->Write(req));
+    v1::DecodeResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    ASSERT_EQ(resp.results_size(), kSteps);
+    for (const v1::StepResult& r : resp.results()) ASSERT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+  }
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  const uint64_t total = kMessages * kSteps;
+  auto info = (*c)->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->steps_completed(), total);
+  if (pinned) {
+    // A slot's first step is read the ordinary way while its buffer is made, so the
+    // first message's steps are not counted; reused slots' steps are.
+    EXPECT_GE(info->steps_inputs_pinned(), total / 2) << extra;
+    EXPECT_LE(info->steps_inputs_pinned(), total - kSteps) << extra;
+  } else {
+    EXPECT_EQ(info->steps_inputs_pinned(), 0u) << extra;
+  }
+  if (cuda) {
+    EXPECT_EQ(info->steps_inputs_device_direct(), info->steps_inputs_pinned()) << extra;
+  } else {
+    EXPECT_EQ(info->steps_inputs_device_direct(), 0u) << extra;
+  }
 }
 
 // One DecodeRequest is one unit: its results (an invalid step's included) come back in
