@@ -113,6 +113,12 @@ ABSL_FLAG(int64_t, max_region_bytes, int64_t{1} << 30,
 ABSL_FLAG(int64_t, max_region_total_bytes, int64_t{8} << 30,
           "shared regions mapped for all open Decode streams together; beyond it opening one fails "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_rings, 64,
+          "doorbell rings (DecodeRequest.region_ring_entries) open at once over all streams; each has a "
+          "daemon thread polling it while its stream lasts; beyond it opening one fails RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, ring_spin_us, 200,
+          "how long a ring's thread spins on an idle ring before sleeping on its futex (0: sleep at once; "
+          "a spin costs a core while it lasts, a sleep ~5-50 us of wake-up for the next submission)");
 ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
           "memory gRPC may use for its own buffers (connections, messages being received); a ResourceQuota");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");
@@ -370,6 +376,11 @@ int Run() {
   so.max_region_total_bytes = absl::GetFlag(FLAGS_max_region_total_bytes);
   if (so.max_region_bytes < 0) return Fail("--max_region_bytes: expected >= 0 (0: no shared regions)");
   if (so.max_region_total_bytes < 0) return Fail("--max_region_total_bytes: expected >= 0");
+  so.max_rings = absl::GetFlag(FLAGS_max_rings);
+  so.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
+  if (so.max_rings < 0) return Fail("--max_rings: expected >= 0 (0: no doorbell rings)");
+  if (so.ring_spin_us < 0 || so.ring_spin_us > 1000000)
+    return Fail("--ring_spin_us: expected 0 to 1000000 microseconds");
   const int max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   if (max_streams_per_connection < 1) return Fail("--max_streams_per_connection: expected at least 1");
   const int64_t grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -23,8 +24,9 @@
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 #include "kernels/params.h"
-#include "server/wire.h"
 #include "server/auth.h"
+#include "server/ring.h"
+#include "server/wire.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {
@@ -310,6 +312,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     uint64_t id = 0;
     int remaining = 0;     // valid steps not yet answered
     Slot* held = nullptr;  // answered ones (and invalid ones), linked by group_next
+    bool ring = false;     // taken from the doorbell ring: results go to its completion queue
   };
 
   class ScopedRef {
@@ -373,9 +376,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       p.read = true;
     }
     if (p.read || p.write) ++starting_;
-    const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
-                      !submitting_ && !processing_ && (region_reply_.empty() || gone);
     const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
+    if (ring_running_) {
+      // The ring's thread stops at once when the stream cannot go on, and after taking
+      // what the client has published when the client has half-closed it.
+      const int stop = (gone || draining_ || !fatal_.ok()) ? kRingStopNow : (over ? kRingStopDrained : kRingRun);
+      if (stop > ring_stop_.load(std::memory_order_relaxed)) {
+        ring_stop_.store(stop, std::memory_order_release);
+        ring::FutexWake(&ring_->sq_tail);
+      }
+    }
+    const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
+                      !submitting_ && !processing_ && (region_reply_.empty() || gone) && !ring_running_;
     if (idle && over && starting_ == 0 && !cancelling_) {
       finished_ = true;
       p.finish = true;
@@ -523,6 +535,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The message's last step is answered: its results become writable together.
   void FlushLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time now = absl::Now();
+    if (g->ring) {
+      PostLocked(g);
+    }
     for (Slot* s = g->held; s != nullptr;) {
       Slot* next = s->group_next;
       s->group_next = nullptr;
@@ -645,8 +660,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     int count = 0;
     {
       grpc::ProtoBufferReader reader(&read_buf_);
-      uint64_t open_region = 0;
-      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message, &open_region, &cuda_region_);
+      uint64_t open_region = 0, ring_entries = 0;
+      auto n = wire::CountDecodeSteps(&reader, o.max_steps_per_message, &open_region, &cuda_region_, &ring_entries);
       if (!n.ok()) return SetFatal(grpc::StatusCode::INVALID_ARGUMENT, n.status().message());
       if (*n > o.max_steps_per_message) {
         return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -658,8 +673,40 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
                         "DecodeRequest.open_region_bytes, open_cuda_region: expected at most one of them");
       }
+      if (ring_entries > 0) {
+        if (open_region == 0) {
+          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
+                          "DecodeRequest.region_ring_entries: expected with open_region_bytes (the ring lies at the "
+                          "start of a shared region in host memory)");
+        }
+        if (!ring::ValidEntries(ring_entries)) {
+          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("DecodeRequest.region_ring_entries: ", ring_entries,
+                                       "; expected a power of two from 1 to ", ring::kMaxEntries));
+        }
+        const uint64_t ring_bytes = ring::RingBytes(static_cast<uint32_t>(ring_entries));
+        if (open_region < ring_bytes) {
+          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("DecodeRequest.open_region_bytes: ", open_region, "; expected at least the ",
+                                       ring_bytes, " bytes a ring of ", ring_entries, " entries takes"));
+        }
+        if (region_ == nullptr && !service_->ChargeRing()) {
+          return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.region_ring_entries: doorbell rings of all streams are at "
+                                       "--max_rings=",
+                                       o.max_rings, "; retry later, or send steps in DecodeRequest messages"));
+        }
+      }
       if (open_region > 0 || cuda_region_.present) {
+        const bool fresh = region_ == nullptr;
         grpc::Status st = cuda_region_.present ? OpenCudaRegion(cuda_region_) : OpenRegion(open_region);
+        if (ring_entries > 0 && fresh) {
+          if (st.ok()) {
+            StartRing(static_cast<uint32_t>(ring_entries));
+          } else {
+            service_->ReleaseRing();
+          }
+        }
         if (!st.ok()) return SetFatal(st.error_code(), st.error_message());
       }
     }
@@ -1023,6 +1070,206 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return grpc::Status::OK;
   }
 
+  // Doorbell ring (server/ring.h). Called on the read side right after the region was
+  // opened, before its answer is written: the ring's thread holds a reference (lifetime
+  // rule) until it has stopped, and the stream does not finish while it runs.
+  void StartRing(uint32_t entries) {
+    ring_ = reinterpret_cast<ring::Header*>(region_);
+    ring_entries_ = entries;
+    ring_bytes_ = ring::RingBytes(entries);
+    ring_->entries = entries;  // the memory file is fresh: every counter starts at 0
+    {
+      absl::MutexLock l(&mu_);
+      ring_running_ = true;
+    }
+    Ref();
+    std::thread([this] { RingLoop(); }).detach();
+  }
+
+  // The ring's thread: takes what the client publishes, in batches of at most a
+  // message's worth of steps (each batch one SubmitBatch, like one DecodeRequest),
+  // while the completion queue and the stream have room for their results. Spins for
+  // --ring_spin_us after the last batch, then sleeps on the futex of sq_tail.
+  void RingLoop() {
+    const ServiceOptions& o = service_->options();
+    ring::Header* const h = ring_;
+    const uint32_t n = ring_entries_;
+    uint32_t head = 0;
+    absl::Time active = absl::Now();
+    const absl::Duration spin = absl::Microseconds(o.ring_spin_us);
+    for (;;) {
+      const int stop = ring_stop_.load(std::memory_order_acquire);
+      if (stop == kRingStopNow) break;
+      const uint32_t tail = h->sq_tail.load(std::memory_order_acquire);
+      const uint32_t avail = tail - head;
+      if (avail > n) {
+        SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
+                 absl::StrCat("ring.sq_tail: ", tail, " is ", avail, " entries past sq_head ", head,
+                              "; expected at most the ring's ", n, " entries"));
+        PlanAndAct();
+        break;
+      }
+      if (avail == 0) {
+        if (stop == kRingStopDrained) break;
+        if (absl::Now() - active < spin) continue;
+        h->server_waiting.store(1, std::memory_order_seq_cst);
+        if (h->sq_tail.load(std::memory_order_seq_cst) == tail &&
+            ring_stop_.load(std::memory_order_acquire) == kRingRun) {
+          ring::FutexWait(&h->sq_tail, tail, 5000);
+        }
+        h->server_waiting.store(0, std::memory_order_relaxed);
+        active = absl::Now();  // spin again after a wake-up: the next batch is likely near
+        continue;
+      }
+      // Completions not yet consumed, as the client reports them (a client that lies
+      // only overwrites its own completion queue).
+      const uint32_t unconsumed = std::min(n, head - h->cq_head.load(std::memory_order_acquire));
+      int64_t room = std::min<int64_t>({int64_t{avail}, int64_t{n - unconsumed}, o.max_steps_per_message});
+      {
+        absl::MutexLock l(&mu_);
+        const int64_t open = inflight_ + held_ + static_cast<int64_t>(done_.size() + deferred_.size());
+        room = std::min<int64_t>(room, o.max_stream_inflight - open);
+      }
+      if (room <= 0) {  // waits for results to come back or be consumed
+        absl::SleepFor(absl::Microseconds(20));
+        continue;
+      }
+      TakeRing(head, static_cast<uint32_t>(room));
+      head += static_cast<uint32_t>(room);
+      h->sq_head.store(head, std::memory_order_release);
+      active = absl::Now();
+    }
+    h->closed.store(1, std::memory_order_seq_cst);
+    ring::FutexWake(&h->cq_tail);
+    {
+      absl::MutexLock l(&mu_);
+      ring_running_ = false;
+    }
+    PlanAndAct();
+    Unref();
+  }
+
+  void PlanAndAct() {
+    Plan p;
+    {
+      absl::MutexLock l(&mu_);
+      p = PlanLocked();
+    }
+    Act(p);
+  }
+
+  // Reads `take` published entries from `head` on into slots (each entry copied out of
+  // the shared region once, then validated from the copy) and submits the valid ones as
+  // one group, answered on the completion queue.
+  void TakeRing(uint32_t head, uint32_t take) {
+    const absl::Time received = absl::Now();
+    const DecodeServiceImpl::Shape& sh = service_->shape();
+    {
+      absl::MutexLock l(&mu_);
+      ring_batch_.clear();
+      for (uint32_t i = 0; i < take; ++i) {
+        if (free_.empty()) {
+          ring_batch_.push_back(new Slot());
+        } else {
+          ring_batch_.push_back(free_.back());
+          free_.pop_back();
+        }
+      }
+    }
+    const char* sq = region_ + ring::SqOffset();
+    for (uint32_t i = 0; i < take; ++i) {
+      Slot* slot = ring_batch_[i];
+      ring::SqEntry e;
+      std::memcpy(&e, sq + static_cast<size_t>((head + i) & (ring_entries_ - 1)) * sizeof(ring::SqEntry), sizeof(e));
+      wire::StepFields f;
+      f.request_id = e.request_id;
+      f.layer = e.layer;
+      f.causal = e.causal != 0;
+      f.has_region = true;
+      f.region_s_q = e.s_q;
+      f.q_offset = e.q_offset;
+      f.kv_offset = e.kv_offset;
+      f.out_offset = e.out_offset;
+      f.lse_offset = e.lse_offset;
+      f.sequence_id_bytes = e.sequence_id_bytes;
+      f.sequence_id = &slot->sequence_id;
+      slot->sequence_id.assign(e.sequence_id, std::min<uint32_t>(e.sequence_id_bytes, ring::kMaxSequenceId));
+      slot->request_id = f.request_id;
+      slot->code = 0;
+      slot->accepted = false;
+      slot->message.clear();
+      slot->trace = false;
+      slot->received = received;
+      slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
+      absl::Status st;
+      if (e.causal > 1) {
+        st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id,
+                                                     ").causal: ", e.causal, "; expected 0 or 1"));
+      } else {
+        st = ValidateRegion(f, static_cast<int>(i), sh);
+      }
+      if (!ChargeSlot(slot, 0)) {
+        st = absl::ResourceExhaustedError(
+            absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
+                         service_->options().max_inflight_bytes, "; retry after results come back"));
+      }
+      if (st.ok()) Prepare(slot, f, sh);
+      slot->code = static_cast<int32_t>(st.code());
+      if (!st.ok()) SetError(slot, st);
+    }
+    service_->steps_ring_.fetch_add(take, std::memory_order_relaxed);
+    const absl::Time parsed = absl::Now();
+    bool submit = false;
+    {
+      absl::MutexLock l(&mu_);
+      Group* g = NewGroupLocked();
+      g->ring = true;
+      for (uint32_t i = 0; i < take; ++i) {
+        Slot* s = ring_batch_[i];
+        s->parsed = parsed;
+        s->group = g->id;
+        if (s->code == 0) {
+          deferred_.push_back(s);
+          ++g->remaining;
+        } else {
+          s->group_next = g->held;
+          g->held = s;
+          ++held_;
+        }
+      }
+      if (g->remaining == 0) FlushLocked(g);
+      submit = ClaimSubmitLocked();
+    }
+    if (submit) SubmitDeferred();
+  }
+
+  // A ring group's results: one completion entry each, published with one store of
+  // cq_tail (and a futex wake if the client sleeps), and the slots taken back.
+  void PostLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    char* cq = region_ + ring::CqOffset(ring_entries_);
+    uint64_t delivered = 0;
+    for (Slot* s = g->held; s != nullptr;) {
+      Slot* next = s->group_next;
+      s->group_next = nullptr;
+      ring::CqEntry* c =
+          reinterpret_cast<ring::CqEntry*>(cq + static_cast<size_t>(cq_tail_ & (ring_entries_ - 1)) * sizeof(ring::CqEntry));
+      c->request_id = s->request_id;
+      c->code = s->code;
+      const size_t m = std::min<size_t>(s->message.size(), ring::kMaxMessage);
+      c->message_bytes = static_cast<uint32_t>(m);
+      if (m > 0) std::memcpy(c->message, s->message.data(), m);
+      ++cq_tail_;
+      delivered += s->accepted ? 1 : 0;
+      --held_;
+      RecycleLocked(s);
+      s = next;
+    }
+    g->held = nullptr;
+    service_->results_delivered_.fetch_add(delivered, std::memory_order_relaxed);
+    ring_->cq_tail.store(cq_tail_, std::memory_order_seq_cst);
+    if (ring_->client_waiting.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&ring_->cq_tail);
+  }
+
   // A step whose tensors are in the region: every tensor inside it and aligned.
   absl::Status ValidateRegion(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) const {
     absl::Status st = CheckIdAndLayer(in, sh);
@@ -1054,6 +1301,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         st = absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.offset, " (", t.bytes,
                                                      " bytes); expected a multiple of ", t.align, " with offset + ",
                                                      t.bytes, " <= the region's ", region_bytes_, " bytes"));
+      } else if (t.offset < ring_bytes_) {
+        st = absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.offset, "; expected >= ", ring_bytes_,
+                                                     " (the region's first bytes hold its doorbell ring)"));
       }
     }
     if (st.ok()) return st;
@@ -1075,6 +1325,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       munmap(region_, region_bytes_);
       if (region_fd_ >= 0) close(region_fd_);
+      if (ring_ != nullptr) service_->ReleaseRing();
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
   }
@@ -1093,6 +1344,14 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // flight, unmapped in the destructor.
   int region_fd_ = -1;
   char* region_ = nullptr;
+  // Its doorbell ring (DecodeRequest.region_ring_entries): set on the read side before
+  // the ring's thread starts, then fixed. ring_stop_ tells that thread to stop.
+  static constexpr int kRingRun = 0, kRingStopDrained = 1, kRingStopNow = 2;
+  ring::Header* ring_ = nullptr;
+  uint32_t ring_entries_ = 0;
+  uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes
+  std::atomic<int> ring_stop_{kRingRun};
+  std::vector<Slot*> ring_batch_;  // the ring thread's slots for the batch it takes
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered
   // Read side only: whether byte steps' inputs go into registered slot memory
   // (--pinned_step_inputs, until the engine first refuses to register some).
@@ -1125,6 +1384,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted by the engine, not yet done
   int starting_ ABSL_GUARDED_BY(mu_) = 0;      // Start* calls decided and not yet issued
   grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
+  bool ring_running_ ABSL_GUARDED_BY(mu_) = false;  // the ring's thread has not stopped
+  uint32_t cq_tail_ ABSL_GUARDED_BY(mu_) = 0;        // completions posted to the ring
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool processing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -1338,6 +1599,15 @@ bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
   return true;
 }
 
+bool DecodeServiceImpl::ChargeRing() {
+  if (rings_.fetch_add(1, std::memory_order_relaxed) >= options_.max_rings) {
+    rings_.fetch_sub(1, std::memory_order_relaxed);
+    refused_rings_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+
 ServiceCounters DecodeServiceImpl::Counters() const {
   ServiceCounters c;
   c.open_streams = OpenStreams();
@@ -1355,6 +1625,9 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   c.refused_regions = refused_regions_.load(std::memory_order_relaxed);
   c.steps_inputs_pinned = steps_inputs_pinned_.load(std::memory_order_relaxed);
   c.steps_inputs_device_direct = steps_inputs_device_direct_.load(std::memory_order_relaxed);
+  c.rings = rings_.load(std::memory_order_relaxed);
+  c.refused_rings = refused_rings_.load(std::memory_order_relaxed);
+  c.steps_ring = steps_ring_.load(std::memory_order_relaxed);
   return c;
 }
 

@@ -44,6 +44,12 @@ struct ServiceOptions {
   // regions together (memory the daemon maps for clients).
   int64_t max_region_bytes = int64_t{1} << 30;
   int64_t max_region_total_bytes = int64_t{8} << 30;
+  // Doorbell rings (DecodeRequest.region_ring_entries): rings open at once over all
+  // streams (each has a thread of the daemon polling it while the stream lasts), and how
+  // long that thread spins on an idle ring before it sleeps on its futex (a sleeping
+  // ring costs the client a futex wake per submission, and ~5-50 us of wake-up).
+  int max_rings = 64;
+  int ring_spin_us = 200;
   // Byte steps' q and kv are read into host memory registered with the engine (CUDA:
   // pinned and mapped), which the device reads directly: no staging copy per step. Costs
   // one registration per step buffer as a stream warms up; counted in max_inflight_bytes.
@@ -77,6 +83,9 @@ struct ServiceCounters {
   // inputs the device reads in place (registered memory: no host staging copy).
   uint64_t steps_inputs_pinned = 0;
   uint64_t steps_inputs_device_direct = 0;
+  int64_t rings = 0;            // doorbell rings open
+  uint64_t refused_rings = 0;   // over max_rings
+  uint64_t steps_ring = 0;      // steps taken from rings
 };
 
 // Maps an absl::Status onto the gRPC status with the same code and message.
@@ -174,6 +183,9 @@ class DecodeServiceImpl final : public DecodeServiceBase {
     region_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
     regions_.fetch_sub(1, std::memory_order_relaxed);
   }
+  // Counts a new doorbell ring against max_rings; false (nothing counted) when over it.
+  bool ChargeRing();
+  void ReleaseRing() { rings_.fetch_sub(1, std::memory_order_relaxed); }
   // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
   template <typename Fn>
   void ForEachOpenStream(Fn fn);
@@ -193,6 +205,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<int64_t> region_bytes_{0}, regions_{0};
   std::atomic<uint64_t> refused_regions_{0};
   std::atomic<uint64_t> steps_inputs_pinned_{0}, steps_inputs_device_direct_{0};
+  std::atomic<int64_t> rings_{0};
+  std::atomic<uint64_t> refused_rings_{0}, steps_ring_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},
       refused_messages_{0}, refused_uploads_{0};

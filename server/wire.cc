@@ -24,6 +24,7 @@ constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
               kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
 constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2;
+constexpr int kRequestRingEntries = 4;
 constexpr int kRequestOpenCudaRegion = 3, kCudaHandle = 1, kCudaOffset = 2, kCudaBytes = 3;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
               kResultTiming = 6;
@@ -205,12 +206,14 @@ bool ReadCudaRegion(CodedInputStream* in, CudaRegionFields* out) {
 }
 
 absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* stream, int limit,
-                                     uint64_t* open_region_bytes, CudaRegionFields* cuda_region) {
+                                     uint64_t* open_region_bytes, CudaRegionFields* cuda_region,
+                                     uint64_t* region_ring_entries) {
   CodedInputStream in(stream);
   Prepare(&in);
   int count = 0;
   if (open_region_bytes != nullptr) *open_region_bytes = 0;
   if (cuda_region != nullptr) *cuda_region = CudaRegionFields();
+  if (region_ring_entries != nullptr) *region_ring_entries = 0;
   const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
     if (field == kRequestOpenCudaRegion && type == kLen) {
       *handled = true;
@@ -221,6 +224,13 @@ absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* 
       cuda_region->present = true;
       if (!ReadCudaRegion(&in, cuda_region) || !in.ConsumedEntireMessage()) return false;
       in.PopLimit(lim);
+      return true;
+    }
+    if (field == kRequestRingEntries && type == kVarint) {
+      *handled = true;
+      uint64_t v = 0;
+      if (!in.ReadVarint64(&v)) return false;
+      if (region_ring_entries != nullptr) *region_ring_entries = v;
       return true;
     }
     if (field == kRequestOpenRegion && type == kVarint) {

@@ -60,10 +60,12 @@ struct CudaRegionFields {
 // Steps in a serialized DecodeRequest, found without copying any field; INVALID_ARGUMENT
 // naming the byte offset when the bytes are not a DecodeRequest. Stops counting (and
 // returns limit + 1) once the count exceeds `limit`. *open_region_bytes (when given)
-// gets DecodeRequest.open_region_bytes, *cuda_region (when given) open_cuda_region.
+// gets DecodeRequest.open_region_bytes, *cuda_region (when given) open_cuda_region,
+// *region_ring_entries (when given) region_ring_entries.
 absl::StatusOr<int> CountDecodeSteps(google::protobuf::io::ZeroCopyInputStream* in, int limit,
                                      uint64_t* open_region_bytes = nullptr,
-                                     CudaRegionFields* cuda_region = nullptr);
+                                     CudaRegionFields* cuda_region = nullptr,
+                                     uint64_t* region_ring_entries = nullptr);
 
 // Reads a DecodeRequest's steps one at a time.
 class DecodeStepReader {

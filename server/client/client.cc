@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/health.grpc.pb.h"
+#include "server/ring.h"
 
 namespace latentd::client {
 
@@ -246,9 +247,10 @@ DecodeStream::~DecodeStream() = default;
 
 SharedRegion::~SharedRegion() { munmap(data_, size_); }
 
-absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t bytes) {
+absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t bytes, uint32_t ring_entries) {
   v1::DecodeRequest req;
   req.set_open_region_bytes(bytes);
+  req.set_region_ring_entries(ring_entries);
   v1::DecodeResponse resp;
   if (!rw_->Write(req) || !rw_->Read(&resp)) {
     grpc::Status st = rw_->Finish();
@@ -289,5 +291,88 @@ bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(r
 bool DecodeStream::Read(v1::DecodeResponse* response) { return rw_->Read(response); }
 bool DecodeStream::WritesDone() { return rw_->WritesDone(); }
 grpc::Status DecodeStream::Finish() { return rw_->Finish(); }
+
+}  // namespace latentd::client
+
+namespace latentd::client {
+
+Ring::Ring(SharedRegion* region, uint32_t entries, int spin_us)
+    : base_(region->data()), entries_(entries), spin_us_(spin_us) {}
+
+uint64_t Ring::bytes() const { return ring::RingBytes(entries_); }
+
+absl::Status Ring::Submit(const Step* steps, size_t n) {
+  auto* h = reinterpret_cast<ring::Header*>(base_);
+  if (h->closed.load(std::memory_order_acquire) != 0)
+    return absl::UnavailableError("ring: the server closed it (its Decode stream ended or the server is draining)");
+  if (n > entries_ - outstanding()) {
+    return absl::ResourceExhaustedError(absl::StrCat("ring: ", n, " steps with ", outstanding(),
+                                                     " outstanding is over its ", entries_, " entries"));
+  }
+  char* sq = base_ + ring::SqOffset();
+  for (size_t i = 0; i < n; ++i) {
+    const Step& s = steps[i];
+    if (s.sequence_id.size() > ring::kMaxSequenceId)
+      return absl::InvalidArgumentError(absl::StrCat("ring: sequence_id of ", s.sequence_id.size(), " bytes"));
+    auto* e = reinterpret_cast<ring::SqEntry*>(sq + static_cast<size_t>((tail_ + i) & (entries_ - 1)) *
+                                                        sizeof(ring::SqEntry));
+    e->request_id = s.request_id;
+    e->layer = s.layer;
+    e->s_q = s.s_q;
+    e->causal = s.causal ? 1 : 0;
+    e->sequence_id_bytes = static_cast<uint32_t>(s.sequence_id.size());
+    e->q_offset = s.q_offset;
+    e->kv_offset = s.kv_offset;
+    e->out_offset = s.out_offset;
+    e->lse_offset = s.lse_offset;
+    std::memcpy(e->sequence_id, s.sequence_id.data(), s.sequence_id.size());
+  }
+  tail_ += static_cast<uint32_t>(n);
+  h->sq_tail.store(tail_, std::memory_order_seq_cst);
+  if (h->server_waiting.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&h->sq_tail);
+  return absl::OkStatus();
+}
+
+absl::Status Ring::Wait(size_t min, std::vector<Completion>* out, absl::Duration timeout) {
+  auto* h = reinterpret_cast<ring::Header*>(base_);
+  const char* cq = base_ + ring::CqOffset(entries_);
+  const absl::Time deadline = timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+  size_t got = 0;
+  absl::Time active = absl::Now();
+  while (got < min) {
+    const uint32_t tail = h->cq_tail.load(std::memory_order_acquire);
+    if (tail != head_) {
+      for (; head_ != tail; ++head_, ++got) {
+        const auto* c = reinterpret_cast<const ring::CqEntry*>(cq + static_cast<size_t>(head_ & (entries_ - 1)) *
+                                                                         sizeof(ring::CqEntry));
+        Completion& r = out->emplace_back();
+        r.request_id = c->request_id;
+        r.code = c->code;
+        r.message.assign(c->message, std::min<uint32_t>(c->message_bytes, ring::kMaxMessage));
+      }
+      h->cq_head.store(head_, std::memory_order_release);
+      active = absl::Now();
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (h->closed.load(std::memory_order_acquire) != 0) {
+      // Steps the server took are still answered after it closed the ring; the rest never.
+      const uint32_t taken = h->sq_head.load(std::memory_order_acquire);
+      if (taken == head_ && h->cq_tail.load(std::memory_order_acquire) == head_) {
+        return absl::UnavailableError(absl::StrCat("ring: the server closed it with ", tail_ - taken,
+                                                   " steps not taken (its Decode stream ended or it is draining)"));
+      }
+    }
+    if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("ring: ", got, " of ", min, " completions"));
+    if (now - active < absl::Microseconds(spin_us_)) continue;
+    h->client_waiting.store(1, std::memory_order_seq_cst);
+    if (h->cq_tail.load(std::memory_order_seq_cst) == tail) {
+      const int64_t left = deadline == absl::InfiniteFuture() ? 5000 : absl::ToInt64Microseconds(deadline - now);
+      ring::FutexWait(&h->cq_tail, tail, std::clamp<int64_t>(left, 1, 5000));
+    }
+    h->client_waiting.store(0, std::memory_order_relaxed);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace latentd::client

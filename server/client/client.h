@@ -151,6 +151,47 @@ class SharedRegion {
   const uint64_t size_;
 };
 
+// The doorbell ring at the start of a stream's shared region (server/ring.h): steps are
+// published into its submission queue and results read from its completion queue
+// through shared memory, with no gRPC message per step. Tensors lie after bytes(). One
+// thread at a time; the region and its stream must outlive it.
+class Ring {
+ public:
+  struct Step {
+    uint64_t request_id = 0;
+    absl::string_view sequence_id;
+    int32_t layer = 0;
+    uint32_t s_q = 1;
+    bool causal = false;
+    uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;  // as in RegionTensors
+  };
+  struct Completion {
+    uint64_t request_id = 0;
+    int32_t code = 0;  // google.rpc code; 0: out and lse are in the region
+    std::string message;
+  };
+  // spin_us: how long Wait spins before it sleeps on the completion queue's futex.
+  Ring(SharedRegion* region, uint32_t entries, int spin_us = 200);
+  uint32_t entries() const { return entries_; }
+  uint64_t bytes() const;
+  // Steps submitted whose completions have not been read yet.
+  uint32_t outstanding() const { return tail_ - head_; }
+  // Publishes the steps as one batch (the server submits what it takes at once together,
+  // as one DecodeRequest). RESOURCE_EXHAUSTED when that would make more than entries()
+  // outstanding; UNAVAILABLE once the server has closed the ring (its stream ended).
+  absl::Status Submit(const Step* steps, size_t n);
+  // Appends completions to *out until `min` have been appended. DEADLINE_EXCEEDED after
+  // timeout; UNAVAILABLE when the server has closed the ring and nothing more will come.
+  absl::Status Wait(size_t min, std::vector<Completion>* out, absl::Duration timeout = absl::InfiniteDuration());
+
+ private:
+  char* const base_;
+  const uint32_t entries_;
+  const int spin_us_;
+  uint32_t tail_ = 0;  // steps published
+  uint32_t head_ = 0;  // completions read
+};
+
 // One Decode stream (synchronous gRPC API): Write from one thread, Read from another.
 class DecodeStream {
  public:
@@ -160,7 +201,10 @@ class DecodeStream {
   // Asks the server for a shared region of `bytes` bytes and maps it. Call before any
   // other Write and before reading: it writes one message and reads the answer. Works
   // only on the server's host, as the daemon's user.
-  absl::StatusOr<std::unique_ptr<SharedRegion>> OpenRegion(uint64_t bytes);
+  // ring_entries > 0 also asks for a doorbell ring of that many entries at the region's
+  // start (DecodeRequest.region_ring_entries): drive it with client::Ring, and keep this
+  // stream open for as long as the ring is used.
+  absl::StatusOr<std::unique_ptr<SharedRegion>> OpenRegion(uint64_t bytes, uint32_t ring_entries = 0);
   // Offers `bytes` bytes of this process's device allocation, from `offset` on, as the
   // stream's region (DecodeRequest.open_cuda_region): ipc_handle is the allocation's
   // cudaIpcMemHandle_t (64 bytes, from cudaIpcGetMemHandle). Steps then name offsets

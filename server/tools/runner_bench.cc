@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "server/client/client.h"
 #include "server/client/reference.h"
+#include "server/ring.h"
 #include "server/tools/device_region.h"
 #include "server/tools/round_trip.h"
 
@@ -45,6 +46,10 @@ ABSL_FLAG(bool, trace, true, "ask the server for StepTiming and print the breakd
 ABSL_FLAG(bool, shm, false,
           "same-host data plane: each runner's stream opens a shared region; q/kv are written there and "
           "out/lse read from there, and messages carry offsets only");
+ABSL_FLAG(bool, ring, false,
+          "with the shared region: steps go through the region's doorbell ring (DecodeRequest.region_ring_entries) "
+          "and results come back on its completion queue, with no gRPC message per layer");
+ABSL_FLAG(int, ring_spin_us, 200, "--ring: how long the runner spins on its completion queue before sleeping");
 ABSL_FLAG(bool, cuda_region, false,
           "same-host data plane on the GPU: each runner's q/kv/out/lse live in a device allocation of its "
           "own, offered to its stream through CUDA IPC (open_cuda_region); each layer's inputs are copied "
@@ -194,7 +199,8 @@ int Main() {
   const int check_every = absl::GetFlag(FLAGS_check_every);
   const bool trace = absl::GetFlag(FLAGS_trace);
   const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
-  const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region;  // offsets, not bytes, either way
+  const bool use_ring = absl::GetFlag(FLAGS_ring) && !cuda_region;
+  const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region || use_ring;  // offsets, not bytes, either way
   if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
@@ -203,7 +209,7 @@ int Main() {
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
               dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
               info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(), R, B, L, s_q, prefix, tokens,
-              std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B), cuda_region ? ", CUDA region" : shm ? ", shared region" : "");
+              std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B), cuda_region ? ", CUDA region" : use_ring ? ", shared region with doorbell ring" : shm ? ", shared region" : "");
   std::fflush(stdout);
 
   client::Reference ref(info, 4);
@@ -272,8 +278,13 @@ int Main() {
       std::unique_ptr<Client> mine = std::move(*own);
       auto stream = mine->OpenDecodeStream();
       // Region layout: step b's q, kv, out and lse in slot b.
-      const uint64_t q_at = 0, kv_at = shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
-                     lse_at = out_at + shape.OutBytes(s_q), slot = (lse_at + shape.LseBytes(s_q) + 255) / 256 * 256;
+      // --ring: the ring takes the region's first bytes; slots follow.
+      uint32_t ring_entries = 1;
+      while (ring_entries < static_cast<uint32_t>(B)) ring_entries *= 2;
+      const uint64_t ring_at = use_ring ? ring::RingBytes(ring_entries) : 0;
+      const uint64_t q_at = ring_at, kv_at = q_at + shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
+                     lse_at = out_at + shape.OutBytes(s_q),
+                     slot = (lse_at - ring_at + shape.LseBytes(s_q) + 255) / 256 * 256;
       // --cuda_region lays the region out tensor by tensor: all q, then all kv, out, lse.
       struct {
         uint64_t q, kv, out, lse, bytes;
@@ -289,6 +300,9 @@ int Main() {
       auto lse_off = [&](int b) { return cuda_region ? dev.lse + b * shape.LseBytes(s_q) : slot * b + lse_at; };
       int layer_count = 0;
       std::unique_ptr<client::SharedRegion> region;
+      std::unique_ptr<client::Ring> doorbell;  // --ring
+      std::vector<client::Ring::Step> ring_steps(static_cast<size_t>(B));
+      std::vector<client::Ring::Completion> completions;
       std::unique_ptr<tools::DeviceRegion> device;  // --cuda_region: pool [q_pool, kv_pool]
       bool broken = false;  // the stream failed: keep meeting the barrier, send nothing
       if (cuda_region) {
@@ -313,9 +327,10 @@ int Main() {
           broken = true;
         }
       } else if (shm) {
-        auto opened = stream->OpenRegion(slot * B);
+        auto opened = stream->OpenRegion(ring_at + slot * B, use_ring ? ring_entries : 0);
         if (opened.ok()) {
           region = std::move(*opened);
+          if (use_ring) doorbell = std::make_unique<client::Ring>(region.get(), ring_entries, absl::GetFlag(FLAGS_ring_spin_us));
         } else {
           st.first_error = opened.status().ToString();
           st.failed += 1;
@@ -390,7 +405,30 @@ int Main() {
             continue;
           }
           bool written = true;
-          for (const v1::DecodeRequest& req : reqs) written = written && stream->Write(req);
+          if (doorbell != nullptr) {
+            for (int b = 0; b < B; ++b) {
+              const v1::DecodeStep* s = step_of(b);
+              client::Ring::Step& rs = ring_steps[b];
+              rs.request_id = s->request_id();
+              rs.sequence_id = ids[r][b];
+              rs.layer = s->layer();
+              rs.s_q = static_cast<uint32_t>(s_q);
+              rs.causal = causal;
+              rs.q_offset = q_off(b);
+              rs.kv_offset = kv_off(b);
+              rs.out_offset = out_off(b);
+              rs.lse_offset = lse_off(b);
+            }
+            for (int m = 0; m < B && written; m += per_msg) {
+              absl::Status sub = doorbell->Submit(&ring_steps[m], static_cast<size_t>(std::min(per_msg, B - m)));
+              if (!sub.ok()) {
+                st.first_error = sub.ToString();
+                written = false;
+              }
+            }
+          } else {
+            for (const v1::DecodeRequest& req : reqs) written = written && stream->Write(req);
+          }
           if (!written) {
             st.first_error = "stream write failed";
             st.failed += B;
@@ -400,7 +438,20 @@ int Main() {
           }
           int got = 0;
           v1::DecodeResponse resp;
-          while (got < B && stream->Read(&resp)) {
+          if (doorbell != nullptr) {
+            completions.clear();
+            absl::Status w = doorbell->Wait(static_cast<size_t>(B), &completions, absl::Seconds(60));
+            if (!w.ok() && st.first_error.empty()) st.first_error = w.ToString();
+            resp.clear_results();
+            for (const client::Ring::Completion& c : completions) {
+              v1::StepResult* res = resp.add_results();
+              res->set_request_id(c.request_id);
+              res->set_code(c.code);
+              res->set_message(c.message);
+            }
+          }
+          const bool from_ring = doorbell != nullptr;
+          for (bool first = true; got < B && (from_ring ? first : stream->Read(&resp)); first = false) {
             const int64_t received = NowUs();
             if (measured) ++st.responses;
             for (v1::StepResult& res : *resp.mutable_results()) {
