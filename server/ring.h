@@ -13,7 +13,7 @@ namespace latentd::ring {
 
 constexpr uint32_t kMaxEntries = 4096;   // a power of two, 1 .. kMaxEntries
 constexpr uint32_t kMaxSequenceId = 128;
-constexpr uint32_t kMaxMessage = 232;    // a result's error message is cut to this many bytes
+constexpr uint32_t kMaxMessage = 168;    // a result's error message is cut to this many bytes
 
 // At offset 0 of the region. Counters run freely (uint32, wrapping); an entry's index is
 // its counter modulo `entries`. Each side writes only its own cache line.
@@ -45,16 +45,20 @@ struct SqEntry {
   uint32_t sequence_id_bytes;  // 1 .. kMaxSequenceId
   uint64_t q_offset, kv_offset, out_offset, lse_offset;
   char sequence_id[kMaxSequenceId];
-  uint8_t reserved[72];
+  uint32_t trace;              // 1: the completion carries the step's server timestamps
+  uint8_t reserved[68];
 };
 static_assert(sizeof(SqEntry) == 256, "submission entries are 256 bytes");
 
 // One step's result: out and lse are in the region when code is 0 (google.rpc code).
+// timing_us: for a traced step, StepTiming's eight stamps in field order (received ..
+// response; microseconds since the Unix epoch), else zeros.
 struct CqEntry {
   uint64_t request_id;
   int32_t code;
   uint32_t message_bytes;
   char message[kMaxMessage];
+  int64_t timing_us[8];
   uint8_t reserved[8];
 };
 static_assert(sizeof(CqEntry) == 256, "completion entries are 256 bytes");

@@ -1198,13 +1198,14 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       slot->code = 0;
       slot->accepted = false;
       slot->message.clear();
-      slot->trace = false;
+      slot->trace = e.trace == 1;
       slot->received = received;
       slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
       absl::Status st;
-      if (e.causal > 1) {
-        st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id,
-                                                     ").causal: ", e.causal, "; expected 0 or 1"));
+      if (e.causal > 1 || e.trace > 1) {
+        st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id, ").",
+                                                     e.causal > 1 ? "causal: " : "trace: ",
+                                                     e.causal > 1 ? e.causal : e.trace, "; expected 0 or 1"));
       } else {
         st = ValidateRegion(f, static_cast<int>(i), sh);
       }
@@ -1247,6 +1248,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // cq_tail (and a futex wake if the client sleeps), and the slots taken back.
   void PostLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     char* cq = region_ + ring::CqOffset(ring_entries_);
+    const absl::Time now = absl::Now();
     uint64_t delivered = 0;
     for (Slot* s = g->held; s != nullptr;) {
       Slot* next = s->group_next;
@@ -1258,6 +1260,16 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const size_t m = std::min<size_t>(s->message.size(), ring::kMaxMessage);
       c->message_bytes = static_cast<uint32_t>(m);
       if (m > 0) std::memcpy(c->message, s->message.data(), m);
+      if (s->trace) {
+        s->completed = now;
+        FillTiming(s, now);
+        const wire::Timing& t = s->timing;
+        const int64_t stamps[8] = {t.received_us, t.parsed_us,   t.submitted_us, t.batched_us,
+                                   t.launched_us, t.finished_us, t.completed_us, t.response_us};
+        std::memcpy(c->timing_us, stamps, sizeof(stamps));
+      } else {
+        std::memset(c->timing_us, 0, sizeof(c->timing_us));
+      }
       ++cq_tail_;
       delivered += s->accepted ? 1 : 0;
       --held_;

@@ -320,6 +320,7 @@ absl::Status Ring::Submit(const Step* steps, size_t n) {
     e->layer = s.layer;
     e->s_q = s.s_q;
     e->causal = s.causal ? 1 : 0;
+    e->trace = s.trace ? 1 : 0;
     e->sequence_id_bytes = static_cast<uint32_t>(s.sequence_id.size());
     e->q_offset = s.q_offset;
     e->kv_offset = s.kv_offset;
@@ -349,6 +350,18 @@ absl::Status Ring::Wait(size_t min, std::vector<Completion>* out, absl::Duration
         r.request_id = c->request_id;
         r.code = c->code;
         r.message.assign(c->message, std::min<uint32_t>(c->message_bytes, ring::kMaxMessage));
+        r.has_timing = c->timing_us[0] != 0;
+        if (r.has_timing) {
+          v1::StepTiming& t = r.timing;
+          t.set_received_us(c->timing_us[0]);
+          t.set_parsed_us(c->timing_us[1]);
+          t.set_submitted_us(c->timing_us[2]);
+          t.set_batched_us(c->timing_us[3]);
+          t.set_launched_us(c->timing_us[4]);
+          t.set_finished_us(c->timing_us[5]);
+          t.set_completed_us(c->timing_us[6]);
+          t.set_response_us(c->timing_us[7]);
+        }
       }
       h->cq_head.store(head_, std::memory_order_release);
       active = absl::Now();

@@ -163,12 +163,15 @@ class Ring {
     int32_t layer = 0;
     uint32_t s_q = 1;
     bool causal = false;
+    bool trace = false;  // the completion carries the server's timestamps
     uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;  // as in RegionTensors
   };
   struct Completion {
     uint64_t request_id = 0;
     int32_t code = 0;  // google.rpc code; 0: out and lse are in the region
     std::string message;
+    bool has_timing = false;
+    v1::StepTiming timing;  // for a traced step
   };
   // spin_us: how long Wait spins before it sleeps on the completion queue's futex.
   Ring(SharedRegion* region, uint32_t entries, int spin_us = 200);

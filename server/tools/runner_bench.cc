@@ -414,6 +414,7 @@ int Main() {
               rs.layer = s->layer();
               rs.s_q = static_cast<uint32_t>(s_q);
               rs.causal = causal;
+              rs.trace = trace;
               rs.q_offset = q_off(b);
               rs.kv_offset = kv_off(b);
               rs.out_offset = out_off(b);
@@ -448,6 +449,7 @@ int Main() {
               res->set_request_id(c.request_id);
               res->set_code(c.code);
               res->set_message(c.message);
+              if (c.has_timing) *res->mutable_timing() = c.timing;
             }
           }
           const bool from_ring = doorbell != nullptr;

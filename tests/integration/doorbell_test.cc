@@ -1,0 +1,303 @@
+// The doorbell ring of the same-host data plane against the real daemon (CPU backend,
+// another process): steps published into the region's submission queue come back on its
+// completion queue, checked against the CPU implementation; bad entries are answered with
+// the field and leave their batch's other steps alone; a malformed ring ends only its
+// own stream; rings are bounded by --max_rings and freed with their stream.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/client/client.h"
+#include "server/ring.h"
+#include "tests/integration/daemon.h"
+#include "tests/integration/tracker.h"
+
+namespace latentd::testing {
+namespace {
+
+constexpr uint32_t kEntries = 16;
+
+// Step slot i of the region (after the ring) holds q, kv, out and lse for s_q <= 2.
+struct Layout {
+  uint64_t base, q, kv, out, lse, slot;
+  explicit Layout(const client::Shape& sh)
+      : base(ring::RingBytes(kEntries)), q(0), kv(sh.QBytes(2)), out(kv + sh.KvBytes(2)),
+        lse(out + sh.OutBytes(2)), slot((lse + sh.LseBytes(2) + 63) / 64 * 64) {}
+  uint64_t bytes(int slots) const { return base + slot * slots; }
+  uint64_t at(int i) const { return base + slot * i; }
+};
+
+// Copies a byte step's tensors into slot i and describes it as a ring step.
+client::Ring::Step IntoSlot(const v1::DecodeStep& step, const client::Shape& sh, const Layout& lay,
+                            client::SharedRegion* region, int i) {
+  char* p = region->data() + lay.at(i);
+  std::memcpy(p + lay.q, step.q().data(), step.q().size());
+  std::memcpy(p + lay.kv, step.kv().data(), step.kv().size());
+  client::Ring::Step r;
+  r.request_id = step.request_id();
+  r.sequence_id = step.sequence_id();
+  r.layer = step.layer();
+  r.s_q = static_cast<uint32_t>(step.q().size() / sh.q_row_bytes);
+  r.causal = step.causal();
+  r.q_offset = lay.at(i) + lay.q;
+  r.kv_offset = lay.at(i) + lay.kv;
+  r.out_offset = lay.at(i) + lay.out;
+  r.lse_offset = lay.at(i) + lay.lse;
+  return r;
+}
+
+grpc::Status Close(client::DecodeStream* stream) {
+  stream->WritesDone();
+  v1::DecodeResponse resp;
+  while (stream->Read(&resp)) {
+  }
+  return stream->Finish();
+}
+
+TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
+  Daemon daemon({"--num_layers=2", "--num_heads_q=32", "--ring_spin_us=50"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 5; ++i) {
+    auto s = tracker.NewSequence({20 + 41 * i, 64 * i + 3});
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
+  }
+  auto stream = (*c)->OpenDecodeStream();
+  auto region = stream->OpenRegion(lay.bytes(10), kEntries);
+  ASSERT_TRUE(region.ok()) << region.status();
+  client::Ring ring(region->get(), kEntries, 20);
+  // Rounds of 10 steps in batches of 1 to 4, some traced; more rounds than the ring has
+  // entries, so its counters wrap around the queues several times.
+  for (int round = 0; round < 6; ++round) {
+    std::vector<v1::DecodeStep> steps;
+    std::vector<client::Ring::Step> ring_steps;
+    std::map<uint64_t, int> slot_of;
+    for (int i = 0; i < 10; ++i) {
+      steps.push_back(tracker.Step(seqs[i % 5], (i / 5 + round) % 2, 1 + (i + round) % 2, i % 3 == 0));
+      ring_steps.push_back(IntoSlot(steps.back(), sh, lay, region->get(), i));
+      ring_steps.back().trace = i % 4 == 0;
+      slot_of[steps.back().request_id()] = i;
+    }
+    for (int at = 0, n = 1; at < 10; at += n, n = n % 4 + 1) {
+      const int take = std::min(n, 10 - at);
+      ASSERT_TRUE(ring.Submit(&ring_steps[at], take).ok());
+    }
+    std::vector<client::Ring::Completion> done;
+    ASSERT_TRUE(ring.Wait(10, &done, absl::Seconds(30)).ok());
+    ASSERT_EQ(done.size(), 10u);
+    for (const client::Ring::Completion& d : done) {
+      ASSERT_EQ(d.code, 0) << d.message;
+      const int i = slot_of.at(d.request_id);
+      EXPECT_EQ(d.has_timing, i % 4 == 0);
+      if (d.has_timing) {
+        EXPECT_GT(d.timing.received_us(), 0);
+        EXPECT_LE(d.timing.received_us(), d.timing.launched_us());
+        EXPECT_LE(d.timing.launched_us(), d.timing.completed_us());
+      }
+      v1::StepResult r;
+      r.set_request_id(d.request_id);
+      const char* p = (*region)->data() + lay.at(i);
+      r.set_out(std::string(p + lay.out, sh.OutBytes(ring_steps[i].s_q)));
+      r.set_lse(std::string(p + lay.lse, sh.LseBytes(ring_steps[i].s_q)));
+      ASSERT_TRUE(tracker.Check(r).ok()) << "round " << round << ": " << tracker.Check(r);
+    }
+  }
+  EXPECT_EQ(ring.outstanding(), 0u);
+  EXPECT_TRUE(Close(stream.get()).ok());
+  auto info = (*c)->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->steps_completed(), 60u);
+}
+
+TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
+  Daemon daemon({"--num_layers=2"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  auto seq = tracker.NewSequence({30, 30});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto stream = (*c)->OpenDecodeStream();
+  auto region = stream->OpenRegion(lay.bytes(2), kEntries);
+  ASSERT_TRUE(region.ok()) << region.status();
+  client::Ring ring(region->get(), kEntries);
+
+  const v1::DecodeStep good = tracker.Step(*seq, 0, 1, false);
+  std::vector<client::Ring::Step> steps(6, IntoSlot(good, sh, lay, region->get(), 0));
+  for (int i = 1; i < 6; ++i) steps[i].request_id = 900 + i;
+  steps[1].q_offset = 64;  // inside the ring
+  steps[2].layer = 5;
+  steps[3].sequence_id = "no-such-sequence";
+  steps[4].out_offset = lay.bytes(2) - 2;  // runs past the region's end
+  steps[5].sequence_id = "bad id!";
+  ASSERT_TRUE(ring.Submit(steps.data(), steps.size()).ok());
+  std::vector<client::Ring::Completion> done;
+  ASSERT_TRUE(ring.Wait(steps.size(), &done, absl::Seconds(30)).ok());
+  std::map<uint64_t, client::Ring::Completion> by_id;
+  for (auto& d : done) by_id[d.request_id] = d;
+  ASSERT_EQ(by_id.size(), 6u);
+  EXPECT_EQ(by_id[good.request_id()].code, 0) << by_id[good.request_id()].message;
+  const struct {
+    uint64_t id;
+    int code;
+    const char* names;
+  } want[] = {{901, 3, "region.q_offset"}, {902, 3, "layer"}, {903, 5, ""}, {904, 3, "region.out_offset"},
+              {905, 3, "sequence_id"}};
+  for (const auto& w : want) {
+    EXPECT_EQ(by_id[w.id].code, w.code) << w.id << ": " << by_id[w.id].message;
+    EXPECT_TRUE(absl::StrContains(by_id[w.id].message, w.names)) << w.id << ": " << by_id[w.id].message;
+  }
+  EXPECT_TRUE(absl::StrContains(by_id[901].message, "doorbell ring")) << by_id[901].message;
+  v1::StepResult r;
+  r.set_request_id(good.request_id());
+  const char* p = (*region)->data() + lay.at(0);
+  r.set_out(std::string(p + lay.out, sh.OutBytes(1)));
+  r.set_lse(std::string(p + lay.lse, sh.LseBytes(1)));
+  EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+
+  // The next step of that sequence sees exactly one new row (the good step's).
+  const v1::DecodeStep next = tracker.Step(*seq, 0, 1, false);
+  client::Ring::Step n = IntoSlot(next, sh, lay, region->get(), 1);
+  ASSERT_TRUE(ring.Submit(&n, 1).ok());
+  done.clear();
+  ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
+  ASSERT_EQ(done[0].code, 0) << done[0].message;
+  r.set_request_id(next.request_id());
+  p = (*region)->data() + lay.at(1);
+  r.set_out(std::string(p + lay.out, sh.OutBytes(1)));
+  r.set_lse(std::string(p + lay.lse, sh.LseBytes(1)));
+  EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+  EXPECT_TRUE(Close(stream.get()).ok());
+}
+
+// A request for a ring that cannot be is refused with the field, on that stream only.
+TEST(DoorbellTest, BadRingRequestsEndTheirStreamNamingTheField) {
+  Daemon daemon({"--num_layers=2", "--max_rings=1"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  const uint64_t big = ring::RingBytes(kEntries) + (1 << 20);
+  const struct {
+    uint64_t bytes;
+    uint32_t entries;
+    grpc::StatusCode code;
+    const char* names;
+  } cases[] = {
+      {big, 3, grpc::StatusCode::INVALID_ARGUMENT, "region_ring_entries"},
+      {big, 8192, grpc::StatusCode::INVALID_ARGUMENT, "region_ring_entries"},
+      {4096, kEntries, grpc::StatusCode::INVALID_ARGUMENT, "open_region_bytes"},
+  };
+  for (const auto& k : cases) {
+    auto stream = (*c)->OpenDecodeStream();
+    auto region = stream->OpenRegion(k.bytes, k.entries);
+    ASSERT_FALSE(region.ok());
+    EXPECT_EQ(static_cast<int>(region.status().code()), static_cast<int>(k.code)) << region.status();
+    EXPECT_TRUE(absl::StrContains(region.status().message(), k.names)) << region.status();
+  }
+  {  // a ring with no region to hold it
+    auto stream = (*c)->OpenDecodeStream();
+    v1::DecodeRequest req;
+    req.set_region_ring_entries(kEntries);
+    ASSERT_TRUE(stream->Write(req));
+    const grpc::Status st = Close(stream.get());
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "region_ring_entries")) << st.error_message();
+  }
+  // --max_rings=1: a second ring waits for the first stream to end.
+  auto first = (*c)->OpenDecodeStream();
+  auto r1 = first->OpenRegion(big, kEntries);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  {
+    auto second = (*c)->OpenDecodeStream();
+    auto r2 = second->OpenRegion(big, kEntries);
+    ASSERT_FALSE(r2.ok());
+    EXPECT_EQ(r2.status().code(), absl::StatusCode::kResourceExhausted) << r2.status();
+    EXPECT_TRUE(absl::StrContains(r2.status().message(), "--max_rings")) << r2.status();
+  }
+  EXPECT_TRUE(Close(first.get()).ok());
+  for (int attempt = 0;; ++attempt) {  // the first ring is released as its stream finishes
+    auto third = (*c)->OpenDecodeStream();
+    auto r3 = third->OpenRegion(big, kEntries);
+    if (r3.ok()) {
+      EXPECT_TRUE(Close(third.get()).ok());
+      break;
+    }
+    ASSERT_LT(attempt, 50) << r3.status();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// A client that corrupts its ring's counters ends its own stream, INVALID_ARGUMENT naming
+// the counter; a client that goes away with steps published leaves the daemon serving.
+TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
+  Daemon daemon({"--num_layers=2"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  auto seq = tracker.NewSequence({40, 40});  // its rows are not checked after the abandoned steps
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  {
+    auto stream = (*c)->OpenDecodeStream();
+    auto region = stream->OpenRegion(lay.bytes(1), kEntries);
+    ASSERT_TRUE(region.ok()) << region.status();
+    auto* h = reinterpret_cast<ring::Header*>((*region)->data());
+    h->sq_tail.store(kEntries * 3, std::memory_order_seq_cst);
+    ring::FutexWake(&h->sq_tail);
+    const grpc::Status st = Close(stream.get());
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "ring.sq_tail")) << st.error_message();
+    EXPECT_EQ(h->closed.load(), 1u);
+  }
+  {
+    auto stream = (*c)->OpenDecodeStream();
+    auto region = stream->OpenRegion(lay.bytes(1), kEntries);
+    ASSERT_TRUE(region.ok()) << region.status();
+    client::Ring ring(region->get(), kEntries);
+    std::vector<client::Ring::Step> steps;
+    for (int i = 0; i < 8; ++i) {
+      steps.push_back(IntoSlot(tracker.Step(*seq, 1, 1, false), sh, lay, region->get(), 0));
+      steps.back().out_offset = steps.back().lse_offset = lay.at(0) + lay.out;  // never read back
+    }
+    ASSERT_TRUE(ring.Submit(steps.data(), steps.size()).ok());
+    stream->Cancel();
+    (void)Close(stream.get());
+  }
+  // The daemon serves on: a fresh ring on another sequence works.
+  auto other = tracker.NewSequence({50, 10});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto stream = (*c)->OpenDecodeStream();
+  auto region = stream->OpenRegion(lay.bytes(1), kEntries);
+  ASSERT_TRUE(region.ok()) << region.status();
+  client::Ring ring(region->get(), kEntries);
+  const v1::DecodeStep s = tracker.Step(*other, 0, 2, true);
+  client::Ring::Step rs = IntoSlot(s, sh, lay, region->get(), 0);
+  ASSERT_TRUE(ring.Submit(&rs, 1).ok());
+  std::vector<client::Ring::Completion> done;
+  ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
+  ASSERT_EQ(done[0].code, 0) << done[0].message;
+  v1::StepResult r;
+  r.set_request_id(s.request_id());
+  const char* p = (*region)->data() + lay.at(0);
+  r.set_out(std::string(p + lay.out, sh.OutBytes(2)));
+  r.set_lse(std::string(p + lay.lse, sh.LseBytes(2)));
+  EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
+  EXPECT_TRUE(Close(stream.get()).ok());
+  EXPECT_TRUE(daemon.Running());
+}
+
+}  // namespace
+}  // namespace latentd::testing
