@@ -30,15 +30,16 @@ struct Layout {
   uint64_t at(int i) const { return base + slot * i; }
 };
 
-// Copies a byte step's tensors into slot i and describes it as a ring step.
-client::Ring::Step IntoSlot(const v1::DecodeStep& step, const client::Shape& sh, const Layout& lay,
-                            client::SharedRegion* region, int i) {
+// Copies a byte step's tensors into slot i and describes it as a ring step of
+// `sequence_id` (a string that outlives the ring step).
+client::Ring::Step IntoSlot(const v1::DecodeStep& step, const std::string& sequence_id, const client::Shape& sh,
+                            const Layout& lay, client::SharedRegion* region, int i) {
   char* p = region->data() + lay.at(i);
   std::memcpy(p + lay.q, step.q().data(), step.q().size());
   std::memcpy(p + lay.kv, step.kv().data(), step.kv().size());
   client::Ring::Step r;
   r.request_id = step.request_id();
-  r.sequence_id = step.sequence_id();
+  r.sequence_id = sequence_id;
   r.layer = step.layer();
   r.s_q = static_cast<uint32_t>(step.q().size() / sh.q_row_bytes);
   r.causal = step.causal();
@@ -83,7 +84,7 @@ TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
     std::map<uint64_t, int> slot_of;
     for (int i = 0; i < 10; ++i) {
       steps.push_back(tracker.Step(seqs[i % 5], (i / 5 + round) % 2, 1 + (i + round) % 2, i % 3 == 0));
-      ring_steps.push_back(IntoSlot(steps.back(), sh, lay, region->get(), i));
+      ring_steps.push_back(IntoSlot(steps.back(), seqs[i % 5], sh, lay, region->get(), i));
       ring_steps.back().trace = i % 4 == 0;
       slot_of[steps.back().request_id()] = i;
     }
@@ -134,7 +135,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
   client::Ring ring(region->get(), kEntries);
 
   const v1::DecodeStep good = tracker.Step(*seq, 0, 1, false);
-  std::vector<client::Ring::Step> steps(6, IntoSlot(good, sh, lay, region->get(), 0));
+  std::vector<client::Ring::Step> steps(6, IntoSlot(good, *seq, sh, lay, region->get(), 0));
   for (int i = 1; i < 6; ++i) steps[i].request_id = 900 + i;
   steps[1].q_offset = 64;  // inside the ring
   steps[2].layer = 5;
@@ -168,7 +169,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
 
   // The next step of that sequence sees exactly one new row (the good step's).
   const v1::DecodeStep next = tracker.Step(*seq, 0, 1, false);
-  client::Ring::Step n = IntoSlot(next, sh, lay, region->get(), 1);
+  client::Ring::Step n = IntoSlot(next, *seq, sh, lay, region->get(), 1);
   ASSERT_TRUE(ring.Submit(&n, 1).ok());
   done.clear();
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
@@ -269,7 +270,7 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
     client::Ring ring(region->get(), kEntries);
     std::vector<client::Ring::Step> steps;
     for (int i = 0; i < 8; ++i) {
-      steps.push_back(IntoSlot(tracker.Step(*seq, 1, 1, false), sh, lay, region->get(), 0));
+      steps.push_back(IntoSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, region->get(), 0));
       steps.back().out_offset = steps.back().lse_offset = lay.at(0) + lay.out;  // never read back
     }
     ASSERT_TRUE(ring.Submit(steps.data(), steps.size()).ok());
@@ -284,7 +285,7 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
   ASSERT_TRUE(region.ok()) << region.status();
   client::Ring ring(region->get(), kEntries);
   const v1::DecodeStep s = tracker.Step(*other, 0, 2, true);
-  client::Ring::Step rs = IntoSlot(s, sh, lay, region->get(), 0);
+  client::Ring::Step rs = IntoSlot(s, *other, sh, lay, region->get(), 0);
   ASSERT_TRUE(ring.Submit(&rs, 1).ok());
   std::vector<client::Ring::Completion> done;
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
