@@ -148,6 +148,10 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
                       static_cast<double>(c.region_bytes)));
   out.push_back(Gauge("latentd_shared_regions", "Open Decode streams with a shared-memory region.",
                       static_cast<double>(c.regions)));
+  out.push_back(Gauge("latentd_doorbell_rings", "Open Decode streams with a doorbell ring (each polled by a daemon thread).",
+                      static_cast<double>(c.rings)));
+  out.push_back(Counter("latentd_ring_steps_total", "Decode steps taken from doorbell rings.",
+                        static_cast<double>(c.steps_ring)));
   out.push_back(Gauge("latentd_upload_bytes", "AppendKv bytes received and not yet applied to the KV cache.",
                       static_cast<double>(c.upload_bytes)));
 
@@ -167,6 +171,7 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
         {"message", c.refused_messages},
         {"upload", c.refused_uploads},
         {"region", c.refused_regions},
+        {"ring", c.refused_rings},
     };
     for (const auto& [reason, value] : reasons) {
       f.metric.push_back(Labelled({{"reason", reason}}));

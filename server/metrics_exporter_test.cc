@@ -50,6 +50,9 @@ MetricsSnapshot SampleSnapshot() {
   s.service.results_undelivered = 1;
   s.service.steps_inputs_pinned = 17;
   s.service.steps_inputs_device_direct = 11;
+  s.service.rings = 2;
+  s.service.refused_rings = 1;
+  s.service.steps_ring = 40;
   s.service.open_streams = 2;
   s.auth_failures = 4;
   return s;
@@ -130,10 +133,11 @@ TEST(MetricFamilies, PagesAndReasons) {
   for (const auto& m : Find(families, "latentd_rejections_total")->metric) {
     reasons[m.label.at(0).value] = m.counter.value;
   }
-  EXPECT_EQ(reasons.size(), 11u);
+  EXPECT_EQ(reasons.size(), 12u);
   EXPECT_EQ(reasons["invalid"], 5);
   EXPECT_EQ(reasons["queue_full"], 1);
   EXPECT_EQ(reasons["upload"], 3);
+  EXPECT_EQ(reasons["ring"], 1);
   EXPECT_EQ(reasons["deadline"], 0);
   EXPECT_EQ(Find(families, "latentd_auth_failures_total")->metric.at(0).counter.value, 4);
 }
@@ -149,6 +153,9 @@ TEST(MetricFamilies, SerializesToTextFormat) {
   EXPECT_THAT(t, HasSubstr("latentd_results_total{outcome=\"delivered\"} 99\n"));
   EXPECT_THAT(t, HasSubstr("latentd_step_inputs_total{path=\"pinned\"} 17\n"));
   EXPECT_THAT(t, HasSubstr("latentd_step_inputs_total{path=\"device_direct\"} 11\n"));
+  EXPECT_THAT(t, HasSubstr("latentd_doorbell_rings 2\n"));
+  EXPECT_THAT(t, HasSubstr("latentd_ring_steps_total 40\n"));
+  EXPECT_THAT(t, HasSubstr("reason=\"ring\"} 1\n"));
   EXPECT_THAT(t, HasSubstr("latentd_step_queue_wait_seconds{quantile=\"0.99\"}"));
 }
 

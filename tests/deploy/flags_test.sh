@@ -36,6 +36,14 @@ out=$("$latentd" --backend=cpu --pinned_step_inputs=sometimes 2>&1); rc=$?
 set -e
 [[ $rc -eq 2 && $out == *--pinned_step_inputs* && $out == *"auto, off or always"* ]] ||
   fail "--pinned_step_inputs=sometimes: rc $rc: $out"
+set +e
+out=$("$latentd" --backend=cpu --ring_spin_us=-1 2>&1); rc=$?
+set -e
+[[ $rc -eq 2 && $out == *--ring_spin_us* && $out == *"0 to 1000000"* ]] || fail "--ring_spin_us=-1: rc $rc: $out"
+set +e
+out=$("$latentd" --backend=cpu --max_rings=-3 2>&1); rc=$?
+set -e
+[[ $rc -eq 2 && $out == *--max_rings* ]] || fail "--max_rings=-3: rc $rc: $out"
 
 # The example flag file on the CPU backend: later flags override the file's GPU and TLS
 # settings; the preset fills the shape, --num_layers given explicitly wins over it.
