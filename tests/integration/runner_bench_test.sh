@@ -31,6 +31,9 @@ run
 run --messages_per_layer=3
 grep -q "3 message(s) per layer" <<<"$out"
 run --shm
+# The same region with its doorbell ring: steps and results through shared memory.
+run --ring --messages_per_layer=2
+grep -q "shared region with doorbell ring" <<<"$out"
 kill -TERM $pid
 wait $pid
 
