@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--shm", action="store_true")
     ap.add_argument("--messages_per_layer", type=int, default=1,
                     help="DecodeRequests each layer's steps are split into, sent back to back")
+    ap.add_argument("--ring", action="store_true",
+                    help="the shared region with its doorbell ring: steps and results through shared memory "
+                         "(tensor-major layout: a layer's q and kv are one numpy copy each)")
     ap.add_argument("--cuda", action="store_true",
                     help="the region is a torch CUDA tensor (open_cuda_region); inputs copied on the GPU")
     a = ap.parse_args()
@@ -78,6 +81,26 @@ def main():
             cuda_steps = lambda layer: [dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=q_at + b * qb,
                                              kv_offset=kv_at + b * kvb, out_offset=out_at + b * ob,
                                              lse_offset=lse_at + b * lb) for b in range(B)]
+        elif a.ring:
+            from latentd_client import ring_bytes
+            entries = 1
+            while entries < B:
+                entries *= 2
+            base = ring_bytes(entries)
+            q_at, kv_at, out_at, lse_at = base, base + B * qb, base + B * (qb + kvb), base + B * (qb + kvb + ob)
+            region = session.open_region(lse_at + B * lb, ring_entries=entries)
+            ring = session.ring
+            q_all = region.array(q_at, (B, h_q, 576), "<u2")
+            kv_all = region.array(kv_at, (B, h_kv, 576), "<u2")
+            out_views = [region.array(out_at, (h_q, 512), "<u2")]
+            ring_steps = ring.steps(B)
+            ring.set_sequence_ids(ring_steps, seqs)
+            ring_steps["s_q"] = 1
+            ring_steps["q_offset"] = q_at + np.arange(B) * qb
+            ring_steps["kv_offset"] = kv_at + np.arange(B) * kvb
+            ring_steps["out_offset"] = out_at + np.arange(B) * ob
+            ring_steps["lse_offset"] = lse_at + np.arange(B) * lb
+            next_id = 1
         elif a.shm:
             region = session.open_region(slot * B)
             q_views = [region.array(b * slot, (h_q, 576), "<u2") for b in range(B)]
@@ -92,6 +115,18 @@ def main():
                     kv_dst.copy_(kv_dev)
                     torch.cuda.synchronize()
                     ids = split(session.submit_region, cuda_steps(layer))
+                elif a.ring:
+                    q_all[:] = q_pool
+                    kv_all[:] = kv_pool
+                    ring_steps["request_id"] = np.arange(next_id, next_id + B)
+                    ring_steps["layer"] = layer
+                    next_id += B
+                    for i in range(0, B, per_msg):
+                        ring.submit_array(ring_steps[i:i + per_msg])
+                    done = ring.wait(B, timeout=60)
+                    if np.any(done["code"] != 0):
+                        bad = done[done["code"] != 0][0]
+                        raise SystemExit(f"step failed: {bad['code']} {bad['message'][:bad['message_bytes']]}")
                 elif a.shm:
                     for b in range(B):
                         q_views[b][:] = q_pool[b]
@@ -102,9 +137,9 @@ def main():
                 else:
                     ids = split(session.submit_many, [dict(sequence_id=seqs[b], layer=layer, q=q_pool[b].tobytes(),
                                                     kv=kv_pool[b].tobytes()) for b in range(B)])
-                got = 0
+                got = B if a.ring else 0
                 outs = {}
-                for r in results:
+                for r in (() if a.ring else results):
                     if r.code != 0:
                         raise SystemExit(f"step failed: {r.code} {r.message}")
                     outs[r.request_id] = r
@@ -115,7 +150,7 @@ def main():
                     if a.cuda:
                         out0 = dev_region[out_at:out_at + ob].cpu().numpy().view("<u2").reshape(h_q, 512)
                     else:
-                        out0 = out_views[0].copy() if a.shm else outs[ids[0]].out
+                        out0 = out_views[0].copy() if (a.shm or a.ring) else outs[ids[0]].out
                     check(c, info, prefix, kv_pool[0], tok + 1, q_pool[0], out0)
                 if tok >= a.warmup_tokens:
                     times.append((time.perf_counter() - t0) * 1e3)
@@ -123,7 +158,7 @@ def main():
         for _ in results:
             pass
     t = np.array(times)
-    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'shared region' if a.shm else 'gRPC bytes'}, "
+    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'doorbell ring' if a.ring else 'shared region' if a.shm else 'gRPC bytes'}, "
           f"{-(-B // per_msg)} message(s) per layer: per-layer p50 "
           f"{np.percentile(t, 50):.3f} ms p90 {np.percentile(t, 90):.3f} ms p99 {np.percentile(t, 99):.3f} ms "
           f"({len(t)} layers)")

@@ -11,6 +11,7 @@ from .client import (  # noqa: F401
     reference_decode,
     fp8_kv_roundtrip,
 )
+from .ring import DoorbellRing, STEP_DTYPE, COMPLETION_DTYPE, ring_bytes  # noqa: F401
 from .sharded import (  # noqa: F401
     ShardedClient,
     HashRing,

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from . import health_pb2, health_pb2_grpc, latentd_pb2, latentd_pb2_grpc
+from .ring import DoorbellRing
 
 HEAD_DIM_QK = 576
 HEAD_DIM_V = 512
@@ -304,11 +305,13 @@ class DecodeSession:
                 return
             yield item
 
-    def open_region(self, nbytes):
+    def open_region(self, nbytes, ring_entries=0):
         """Asks the server for a shared region of nbytes and maps it (same host and user
         as the daemon only). Call before any submit and before results(); the region
-        lives until the stream ends."""
-        self._requests.put(latentd_pb2.DecodeRequest(open_region_bytes=nbytes))
+        lives until the stream ends. ring_entries > 0 also puts a doorbell ring of that
+        many entries at its start (self.ring, a DoorbellRing; tensors go after
+        ring.nbytes): steps then go through shared memory with no message per step."""
+        self._requests.put(latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries))
         try:
             resp = next(self._responses)
         except StopIteration:
@@ -318,6 +321,7 @@ class DecodeSession:
         if resp.region.bytes != nbytes:
             raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
         self.region = SharedRegion(resp.region.path, nbytes)
+        self.ring = DoorbellRing(self.region, ring_entries) if ring_entries else None
         return self.region
 
     def open_cuda_region(self, tensor):
