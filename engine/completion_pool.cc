@@ -37,7 +37,7 @@ CompletionPool::~CompletionPool() {
 
 void CompletionPool::Push(DecodeStep* step, const absl::Status& status, uint64_t key) {
   if (workers_.empty()) {
-    done_(step, status);
+    done_(&step, &status, 1);
     return;
   }
   Worker& w = *workers_[key % workers_.size()];
@@ -63,21 +63,28 @@ uint64_t CompletionPool::waits() const {
 }
 
 void CompletionPool::Run(Worker* w) {
+  // The run taken off the ring, allocated once before the steady state.
+  std::vector<DecodeStep*> steps(kMaxRun);
+  std::vector<absl::Status> statuses(kMaxRun);
   for (;;) {
-    Item item;
+    int n = 0;
     {
       absl::MutexLock l(&w->mu);
       while (w->count == 0 && !w->stop) w->cv.Wait(&w->mu);
       if (w->count == 0) return;  // stopped, and everything pushed has run
-      Item& front = w->ring[w->head];
-      item.step = front.step;
-      item.status = std::move(front.status);
-      front.status = absl::OkStatus();
-      w->head = (w->head + 1) % w->ring.size();
-      --w->count;
+      while (w->count > 0 && n < kMaxRun) {
+        Item& front = w->ring[w->head];
+        steps[n] = front.step;
+        statuses[n] = std::move(front.status);
+        front.status = absl::OkStatus();
+        w->head = (w->head + 1) % w->ring.size();
+        --w->count;
+        ++n;
+      }
       w->cv.SignalAll();  // a Push waiting for room
     }
-    done_(item.step, item.status);
+    done_(steps.data(), statuses.data(), n);
+    for (int i = 0; i < n; ++i) statuses[i] = absl::OkStatus();  // drops error messages
   }
 }
 

@@ -1,4 +1,4 @@
-// Runs decode steps' completion callbacks (StepCallback::StepDone) on a few threads of
+// Runs decode steps' completion callbacks (StepCallback::StepsDone) on a few threads of
 // their own, so the scheduler thread goes back to staging the next batch instead of
 // answering each step of the last one (a server's StepDone starts gRPC writes and
 // reads: microseconds each, times the batch). Steps of one key (a gRPC stream) are
@@ -23,9 +23,12 @@ namespace latentd::engine {
 
 class CompletionPool {
  public:
-  // done(step, status) runs for every Push, exactly once. threads 0: inline, in Push.
+  // done(steps, statuses, n) runs every Push exactly once, in runs of consecutive
+  // pushes to one thread (what had arrived when the thread looked, up to kMaxRun), so a
+  // batch's completions are answered together. threads 0: inline, in Push, one by one.
   // capacity: completions each thread's ring holds.
-  using Done = std::function<void(DecodeStep*, const absl::Status&)>;
+  using Done = std::function<void(DecodeStep* const* steps, const absl::Status* statuses, int n)>;
+  static constexpr int kMaxRun = 256;
   CompletionPool(int threads, int capacity, Done done);
   // Runs every completion pushed before it, then stops the threads.
   ~CompletionPool();

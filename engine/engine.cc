@@ -48,7 +48,7 @@ class EngineImpl final : public Engine {
         // refused at launch), so Push never waits in practice.
         done_pool_(std::make_unique<CompletionPool>(
             o.completion_threads, o.max_queue + 2 * o.max_batch_size,
-            [this](DecodeStep* s, const absl::Status& st) { RunCompletion(s, st); })) {
+            [this](DecodeStep* const* s, const absl::Status* st, int n) { RunCompletions(s, st, n); })) {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
     incoming_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
@@ -341,9 +341,17 @@ class EngineImpl final : public Engine {
   void Complete(DecodeStep* step, const absl::Status& status) {
     done_pool_->Push(step, status, step->flow != 0 ? step->flow : absl::HashOf(step->sequence_id));
   }
-  void RunCompletion(DecodeStep* step, const absl::Status& status) {
-    step->callback->StepDone(step, status);
-    if (completed_.fetch_add(1) + 1 == accepted_.load()) SignalDone();
+  // Consecutive steps of one callback (a stream's steps of one batch) are answered in
+  // one StepsDone. A step is not touched once its callback has it.
+  void RunCompletions(DecodeStep* const* steps, const absl::Status* statuses, int n) {
+    for (int i = 0; i < n;) {
+      StepCallback* cb = steps[i]->callback;
+      int j = i + 1;
+      while (j < n && steps[j]->callback == cb) ++j;
+      cb->StepsDone(steps + i, statuses + i, j - i);
+      i = j;
+    }
+    if (completed_.fetch_add(n) + n == accepted_.load()) SignalDone();
   }
 
   // A step counted as accepted was refused after all.

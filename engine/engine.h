@@ -108,6 +108,12 @@ class StepCallback {
   // Called exactly once per accepted step, on an engine thread: OK means out and lse
   // were written. Must not block.
   virtual void StepDone(DecodeStep* step, absl::Status status) = 0;
+  // Steps of this callback that finished together (of one batch, in the order they
+  // were submitted), so a caller answering many steps of one stream takes its locks
+  // once. The default calls StepDone for each. Must not block.
+  virtual void StepsDone(DecodeStep* const* steps, const absl::Status* statuses, int n) {
+    for (int i = 0; i < n; ++i) StepDone(steps[i], statuses[i]);
+  }
 };
 
 struct DecodeStep {

@@ -212,6 +212,24 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Act(p);
   }
 
+  // A batch's steps of this stream, finished together: one pass under mu_ for all.
+  void StepsDone(engine::DecodeStep* const* steps, const absl::Status* statuses, int n) override {
+    ScopedRef ref(this);  // as in StepDone
+    for (int i = 0; i < n; ++i)
+      if (!statuses[i].ok()) SetError(static_cast<Slot*>(steps[i]), statuses[i]);
+    bool submit = false;
+    {
+      absl::MutexLock l(&mu_);
+      for (int i = 0; i < n; ++i) {
+        --inflight_;
+        AnsweredLocked(static_cast<Slot*>(steps[i]));
+      }
+      submit = ClaimSubmitLocked();
+    }
+    if (submit) SubmitDeferred();
+    PlanAndAct();
+  }
+
   // Acquire: the first Ref on another gRPC thread (OnCancel, say) then synchronizes with
   // the constructor's release store, an ordering gRPC provides but TSan cannot see.
   void Ref() { refs_.fetch_add(1, std::memory_order_acquire); }
