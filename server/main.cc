@@ -116,9 +116,9 @@ ABSL_FLAG(int64_t, max_region_total_bytes, int64_t{8} << 30,
 ABSL_FLAG(int, max_rings, 64,
           "doorbell rings (DecodeRequest.region_ring_entries) open at once over all streams; each has a "
           "daemon thread polling it while its stream lasts; beyond it opening one fails RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, ring_spin_us, 200,
+ABSL_FLAG(int, ring_spin_us, 1000,
           "how long a ring's thread spins on an idle ring before sleeping on its futex (0: sleep at once; "
-          "a spin costs a core while it lasts, a sleep ~5-50 us of wake-up for the next submission)");
+          "a spin costs a core while it lasts, a sleep 20-30 us of wake-up for the next submission)");
 ABSL_FLAG(int64_t, grpc_memory_bytes, int64_t{1} << 30,
           "memory gRPC may use for its own buffers (connections, messages being received); a ResourceQuota");
 ABSL_FLAG(int64_t, sequence_ttl_s, 600, "release sequences idle this long (0: never)");

@@ -47,9 +47,9 @@ struct ServiceOptions {
   // Doorbell rings (DecodeRequest.region_ring_entries): rings open at once over all
   // streams (each has a thread of the daemon polling it while the stream lasts), and how
   // long that thread spins on an idle ring before it sleeps on its futex (a sleeping
-  // ring costs the client a futex wake per submission, and ~5-50 us of wake-up).
+  // ring costs the client a futex wake per submission, and 20-30 us of wake-up).
   int max_rings = 64;
-  int ring_spin_us = 200;
+  int ring_spin_us = 1000;
   // Byte steps' q and kv are read into host memory registered with the engine (CUDA:
   // pinned and mapped), which the device reads directly: no staging copy per step. Costs
   // one registration per step buffer as a stream warms up; counted in max_inflight_bytes.

@@ -174,7 +174,7 @@ class Ring {
     v1::StepTiming timing;  // for a traced step
   };
   // spin_us: how long Wait spins before it sleeps on the completion queue's futex.
-  Ring(SharedRegion* region, uint32_t entries, int spin_us = 200);
+  Ring(SharedRegion* region, uint32_t entries, int spin_us = 1000);
   uint32_t entries() const { return entries_; }
   uint64_t bytes() const;
   // Steps submitted whose completions have not been read yet.

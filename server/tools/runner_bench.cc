@@ -49,7 +49,7 @@ ABSL_FLAG(bool, shm, false,
 ABSL_FLAG(bool, ring, false,
           "with the shared region: steps go through the region's doorbell ring (DecodeRequest.region_ring_entries) "
           "and results come back on its completion queue, with no gRPC message per layer");
-ABSL_FLAG(int, ring_spin_us, 200, "--ring: how long the runner spins on its completion queue before sleeping");
+ABSL_FLAG(int, ring_spin_us, 1000, "--ring: how long the runner spins on its completion queue before sleeping");
 ABSL_FLAG(bool, cuda_region, false,
           "same-host data plane on the GPU: each runner's q/kv/out/lse live in a device allocation of its "
           "own, offered to its stream through CUDA IPC (open_cuda_region); each layer's inputs are copied "

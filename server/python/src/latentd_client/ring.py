@@ -50,7 +50,7 @@ class DoorbellRing:
     """Drives a ring from one thread. Keep the DecodeSession (its stream) open while the
     ring is used; close() before the region is unmapped."""
 
-    def __init__(self, region, entries, spin_us=200):
+    def __init__(self, region, entries, spin_us=1000):
         if entries < 1 or entries > MAX_ENTRIES or entries & (entries - 1):
             raise ValueError(f"ring entries: {entries}; expected a power of two from 1 to {MAX_ENTRIES}")
         if _SYS_FUTEX is None:
