@@ -500,7 +500,14 @@ class EngineImpl final : public Engine {
     int slot = 0;
     for (;;) {
       if (stop_.load() && queue_.size() == 0 && inflight == nullptr) break;
-      if (fair_.empty() && inflight == nullptr) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
+      if (fair_.empty() && inflight == nullptr) {
+        if (o_.idle_spin > absl::ZeroDuration()) {
+          const absl::Time until = absl::Now() + o_.idle_spin;
+          while (!queue_.HasPending() && !stop_.load(std::memory_order_relaxed) && absl::Now() < until) {
+          }
+        }
+        if (!queue_.HasPending()) queue_.WaitForWork(absl::Now() + absl::Milliseconds(50));
+      }
       Collect();
       // An idle engine waits a short window for more steps to fill the batch, unless a
       // whole message (SubmitBatch) has arrived: its sender formed the batch already.

@@ -560,6 +560,28 @@ TEST_F(EngineTest, SubmitBatchEndsTheBatchWindow) {
   EXPECT_GE(lone->step.batched_at - lone->step.enqueued_at, absl::Milliseconds(900)) << "the window was skipped";
 }
 
+// A spinning scheduler (idle_spin) serves steps that arrive while it spins, after it
+// has gone to sleep, and one by one in between, all correct; it stops on destruction.
+TEST_F(EngineTest, SpinningSchedulerServesEveryStep) {
+  EngineOptions o = Model(2, 16);
+  o.idle_spin = absl::Milliseconds(5);
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 47);
+  const std::string seq = h.NewSequence(90);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 12; ++i) {
+    // Gaps within the spin, and a few past it (the scheduler asleep).
+    if (i % 4 == 3) absl::SleepFor(absl::Milliseconds(20));
+    steps.push_back(h.MakeStep(seq, i % 2, 1 + i % 2, i % 3 == 0));
+    ASSERT_TRUE(h.Submit(steps.back()).ok());
+    ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  }
+  for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
+  EXPECT_EQ(engine->Metrics().steps_completed, steps.size());
+}
+
 // Two flows (say, a stream and its replacement after a reconnect) step the same
 // sequence and layer alternately: the steps still run one per batch in the order
 // submitted, each over the rows of the ones before it.

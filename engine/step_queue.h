@@ -34,6 +34,8 @@ class StepQueue {
   bool WaitForWork(absl::Time deadline);
   void Wake();  // wakes a waiting consumer (after pushes without wake; shutdown)
 
+  // Whether steps were pushed and not yet drained (a cheap check for spinning).
+  bool HasPending() const { return in_shards_.load(std::memory_order_acquire) > 0; }
   // Steps accepted and not yet Done.
   int64_t size() const { return size_.load(std::memory_order_relaxed); }
   int capacity() const { return capacity_; }

@@ -75,6 +75,9 @@ ABSL_FLAG(int, max_batch_size, 0,
           "batches gain little from size and each step waits for its whole batch)");
 ABSL_FLAG(int, max_batch_tokens, 1024, "most query rows (sum of s_q) per launch");
 ABSL_FLAG(int, batch_window_us, 50, "how long an idle engine waits to fill a batch");
+ABSL_FLAG(int, engine_spin_us, 0,
+          "how long the scheduler spins after a batch for the next steps before sleeping (0: sleep at once; "
+          "a spin saves the next submission a thread wake-up and costs a core while it lasts)");
 ABSL_FLAG(int64_t, max_sequences, 65536,
           "live sequences (forks included); CreateSequence and ForkSequence beyond fail RESOURCE_EXHAUSTED "
           "(0: no limit)");
@@ -285,6 +288,9 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   o->max_sequences = absl::GetFlag(FLAGS_max_sequences);
   if (o->max_sequences < 0) return "--max_sequences: expected >= 0 (0: no limit)";
   o->batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
+  o->idle_spin = absl::Microseconds(absl::GetFlag(FLAGS_engine_spin_us));
+  if (absl::GetFlag(FLAGS_engine_spin_us) < 0 || absl::GetFlag(FLAGS_engine_spin_us) > 1000000)
+    return "--engine_spin_us: expected 0 to 1000000 microseconds";
   o->max_s_q = absl::GetFlag(FLAGS_max_s_q);
   o->cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   if (o->max_batch_size < 1) return "--max_batch_size: expected at least 1";

@@ -44,6 +44,10 @@ set +e
 out=$("$latentd" --backend=cpu --max_rings=-3 2>&1); rc=$?
 set -e
 [[ $rc -eq 2 && $out == *--max_rings* ]] || fail "--max_rings=-3: rc $rc: $out"
+set +e
+out=$("$latentd" --backend=cpu --engine_spin_us=-5 2>&1); rc=$?
+set -e
+[[ $rc -eq 2 && $out == *--engine_spin_us* ]] || fail "--engine_spin_us=-5: rc $rc: $out"
 
 # The example flag file on the CPU backend: later flags override the file's GPU and TLS
 # settings; the preset fills the shape, --num_layers given explicitly wins over it.
