@@ -1142,14 +1142,22 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // Completions not yet consumed, as the client reports them (a client that lies
       // only overwrites its own completion queue).
       const uint32_t unconsumed = std::min(n, head - h->cq_head.load(std::memory_order_acquire));
+      if (unconsumed == n && stop == kRingStopDrained) {
+        // Half-closed with its completion queue full: a client that no longer reads
+        // would hold the stream open for ever. What was not taken was never
+        // acknowledged (sq_head says how far the server got).
+        break;
+      }
       int64_t room = std::min<int64_t>({int64_t{avail}, int64_t{n - unconsumed}, o.max_steps_per_message});
       {
         absl::MutexLock l(&mu_);
         const int64_t open = inflight_ + held_ + static_cast<int64_t>(done_.size() + deferred_.size());
         room = std::min<int64_t>(room, o.max_stream_inflight - open);
       }
-      if (room <= 0) {  // waits for results to come back or be consumed
-        absl::SleepFor(absl::Microseconds(20));
+      if (room <= 0) {
+        // Waits for results to come back (the engine's doing) or to be consumed (the
+        // client's): briefly at first, then without burning the core.
+        absl::SleepFor(absl::Now() - active < spin ? absl::Microseconds(20) : absl::Milliseconds(1));
         continue;
       }
       TakeRing(head, static_cast<uint32_t>(room));
