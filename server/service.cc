@@ -192,29 +192,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   // Engine thread. Must not block: a short critical section, then maybe a write start.
-  void StepDone(engine::DecodeStep* step, absl::Status status) override {
-    ScopedRef ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
-    Slot* slot = static_cast<Slot*>(step);
-    if (!status.ok()) SetError(slot, status);
-    bool submit = false;
-    {
-      absl::MutexLock l(&mu_);
-      --inflight_;
-      AnsweredLocked(slot);
-      submit = ClaimSubmitLocked();
-    }
-    if (submit) SubmitDeferred();
-    Plan p;
-    {
-      absl::MutexLock l(&mu_);
-      p = PlanLocked();
-    }
-    Act(p);
-  }
+  void StepDone(engine::DecodeStep* step, absl::Status status) override { StepsDone(&step, &status, 1); }
 
   // A batch's steps of this stream, finished together: one pass under mu_ for all.
   void StepsDone(engine::DecodeStep* const* steps, const absl::Status* statuses, int n) override {
-    ScopedRef ref(this);  // as in StepDone
+    ScopedRef ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
     for (int i = 0; i < n; ++i)
       if (!statuses[i].ok()) SetError(static_cast<Slot*>(steps[i]), statuses[i]);
     bool submit = false;
@@ -635,18 +617,66 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Brings the slot's charge up to what its buffers hold plus `extra` bytes they are
   // about to grow by. Over --max_inflight_bytes, gives the inputs just read back (so
-  // nothing stays held uncharged) and returns false.
-  bool ChargeSlot(Slot* s, int64_t extra) {
+  // nothing stays held uncharged) and returns RESOURCE_EXHAUSTED naming the flag.
+  absl::Status ChargeSlot(Slot* s, int64_t extra) {
     const int64_t want = HeldBytes(s) + extra;
-    if (want <= s->charged) return true;
+    if (want <= s->charged) return absl::OkStatus();
     if (service_->ChargeInflight(want - s->charged)) {
       s->charged = want;
-      return true;
+      return absl::OkStatus();
     }
     std::string().swap(s->q_buf);
     std::string().swap(s->kv_buf);
     service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
-    return false;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
+                     service_->options().max_inflight_bytes, "; retry after results come back"));
+  }
+
+  // Slots for a message of n steps: spare ones first, new ones beyond them.
+  void TakeSlotsLocked(int n, std::vector<Slot*>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    out->clear();
+    for (int i = 0; i < n; ++i) {
+      if (free_.empty()) {
+        out->push_back(new Slot());
+      } else {
+        out->push_back(free_.back());
+        free_.pop_back();
+      }
+    }
+  }
+
+  // A slot about to be read into: its result and timestamps from a previous step cleared.
+  static void ResetSlot(Slot* s, uint64_t request_id, bool trace, absl::Time received) {
+    s->request_id = request_id;
+    s->code = 0;
+    s->accepted = false;
+    s->message.clear();
+    s->trace = trace;
+    s->received = received;
+    s->submitted = s->batched_at = s->launched_at = s->finished_at = s->completed = absl::Time();
+  }
+
+  // Makes a message's n read slots one group: valid ones wait to be submitted, the
+  // others are answered with the rest of the group. True if the caller is to submit.
+  bool QueueGroupLocked(Slot* const* slots, int n, bool ring, absl::Time parsed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Group* g = NewGroupLocked();
+    g->ring = ring;
+    for (int i = 0; i < n; ++i) {
+      Slot* s = slots[i];
+      s->parsed = parsed;
+      s->group = g->id;
+      if (s->code == 0) {
+        deferred_.push_back(s);
+        ++g->remaining;
+      } else {
+        s->group_next = g->held;  // answered at once, delivered with the rest
+        g->held = s;
+        ++held_;
+      }
+    }
+    if (g->remaining == 0) FlushLocked(g);
+    return ClaimSubmitLocked();
   }
 
   void DeleteSlot(Slot* s) {
@@ -730,15 +760,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     {
       absl::MutexLock l(&mu_);
-      batch_.clear();
-      for (int i = 0; i < count; ++i) {
-        if (free_.empty()) {
-          batch_.push_back(new Slot());
-        } else {
-          batch_.push_back(free_.back());
-          free_.pop_back();
-        }
-      }
+      TakeSlotsLocked(count, &batch_);
     }
     wire::StepBounds bounds;
     bounds.max_q_bytes = sh.max_s_q * sh.q_row_bytes;
@@ -764,13 +786,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                                : more.status().message());
         break;
       }
-      slot->request_id = f.request_id;
-      slot->code = 0;
-      slot->accepted = false;
-      slot->message.clear();
-      slot->trace = f.trace;
-      slot->received = received;
-      slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
+      ResetSlot(slot, f.request_id, f.trace, received);
       absl::Status st = f.has_region ? ValidateRegion(f, read, sh) : Validate(f, read, sh);
       int64_t extra = 0;  // the results' buffers, sized in Prepare
       if (st.ok() && !f.has_region) {
@@ -780,11 +796,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         extra = std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity())) +
                 s_q * (sh.out_row_bytes + 64);
       }
-      if (!ChargeSlot(slot, extra)) {
-        st = absl::ResourceExhaustedError(
-            absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
-                         service_->options().max_inflight_bytes, "; retry after results come back"));
-      }
+      if (absl::Status charged = ChargeSlot(slot, extra); !charged.ok()) st = charged;
       if (st.ok()) Prepare(slot, f, sh);
       if (st.ok() && !f.has_region && !(f.q_raw && f.kv_raw)) GrowPinned(slot, slot->s_q, sh);
       slot->code = static_cast<int32_t>(st.code());
@@ -795,23 +807,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     bool submit = false;
     {
       absl::MutexLock l(&mu_);
-      Group* g = NewGroupLocked();
-      for (int i = 0; i < read; ++i) {
-        Slot* s = batch_[i];
-        s->parsed = parsed;
-        s->group = g->id;
-        if (s->code == 0) {
-          deferred_.push_back(s);
-          ++g->remaining;
-        } else {
-          s->group_next = g->held;  // answered at once, written with the rest
-          g->held = s;
-          ++held_;
-        }
-      }
-      if (g->remaining == 0) FlushLocked(g);
       for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
-      submit = ClaimSubmitLocked();
+      submit = QueueGroupLocked(batch_.data(), read, false, parsed);
     }
     if (submit) SubmitDeferred();
   }
@@ -1192,15 +1189,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const DecodeServiceImpl::Shape& sh = service_->shape();
     {
       absl::MutexLock l(&mu_);
-      ring_batch_.clear();
-      for (uint32_t i = 0; i < take; ++i) {
-        if (free_.empty()) {
-          ring_batch_.push_back(new Slot());
-        } else {
-          ring_batch_.push_back(free_.back());
-          free_.pop_back();
-        }
-      }
+      TakeSlotsLocked(static_cast<int>(take), &ring_batch_);
     }
     const char* sq = region_ + ring::SqOffset();
     for (uint32_t i = 0; i < take; ++i) {
@@ -1220,13 +1209,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       f.sequence_id_bytes = e.sequence_id_bytes;
       f.sequence_id = &slot->sequence_id;
       slot->sequence_id.assign(e.sequence_id, std::min<uint32_t>(e.sequence_id_bytes, ring::kMaxSequenceId));
-      slot->request_id = f.request_id;
-      slot->code = 0;
-      slot->accepted = false;
-      slot->message.clear();
-      slot->trace = e.trace == 1;
-      slot->received = received;
-      slot->submitted = slot->batched_at = slot->launched_at = slot->finished_at = slot->completed = absl::Time();
+      ResetSlot(slot, f.request_id, e.trace == 1, received);
       absl::Status st;
       if (e.causal > 1 || e.trace > 1) {
         st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id, ").",
@@ -1235,11 +1218,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       } else {
         st = ValidateRegion(f, static_cast<int>(i), sh);
       }
-      if (!ChargeSlot(slot, 0)) {
-        st = absl::ResourceExhaustedError(
-            absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
-                         service_->options().max_inflight_bytes, "; retry after results come back"));
-      }
+      if (absl::Status charged = ChargeSlot(slot, 0); !charged.ok()) st = charged;
       if (st.ok()) Prepare(slot, f, sh);
       slot->code = static_cast<int32_t>(st.code());
       if (!st.ok()) SetError(slot, st);
@@ -1249,23 +1228,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     bool submit = false;
     {
       absl::MutexLock l(&mu_);
-      Group* g = NewGroupLocked();
-      g->ring = true;
-      for (uint32_t i = 0; i < take; ++i) {
-        Slot* s = ring_batch_[i];
-        s->parsed = parsed;
-        s->group = g->id;
-        if (s->code == 0) {
-          deferred_.push_back(s);
-          ++g->remaining;
-        } else {
-          s->group_next = g->held;
-          g->held = s;
-          ++held_;
-        }
-      }
-      if (g->remaining == 0) FlushLocked(g);
-      submit = ClaimSubmitLocked();
+      submit = QueueGroupLocked(ring_batch_.data(), static_cast<int>(take), true, parsed);
     }
     if (submit) SubmitDeferred();
   }

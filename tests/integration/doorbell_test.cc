@@ -50,6 +50,17 @@ client::Ring::Step IntoSlot(const v1::DecodeStep& step, const std::string& seque
   return r;
 }
 
+// Slot i's results, read out of the region, as the StepResult the tracker checks.
+v1::StepResult InPlaceResult(uint64_t request_id, const client::Shape& sh, const Layout& lay,
+                             const client::SharedRegion* region, int i, int s_q) {
+  v1::StepResult r;
+  r.set_request_id(request_id);
+  const char* p = region->data() + lay.at(i);
+  r.set_out(std::string(p + lay.out, sh.OutBytes(s_q)));
+  r.set_lse(std::string(p + lay.lse, sh.LseBytes(s_q)));
+  return r;
+}
+
 grpc::Status Close(client::DecodeStream* stream) {
   stream->WritesDone();
   v1::DecodeResponse resp;
@@ -104,11 +115,7 @@ TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
         EXPECT_LE(d.timing.received_us(), d.timing.launched_us());
         EXPECT_LE(d.timing.launched_us(), d.timing.completed_us());
       }
-      v1::StepResult r;
-      r.set_request_id(d.request_id);
-      const char* p = (*region)->data() + lay.at(i);
-      r.set_out(std::string(p + lay.out, sh.OutBytes(ring_steps[i].s_q)));
-      r.set_lse(std::string(p + lay.lse, sh.LseBytes(ring_steps[i].s_q)));
+      const v1::StepResult r = InPlaceResult(d.request_id, sh, lay, region->get(), i, ring_steps[i].s_q);
       ASSERT_TRUE(tracker.Check(r).ok()) << "round " << round << ": " << tracker.Check(r);
     }
   }
@@ -160,11 +167,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
     EXPECT_TRUE(absl::StrContains(by_id[w.id].message, w.names)) << w.id << ": " << by_id[w.id].message;
   }
   EXPECT_TRUE(absl::StrContains(by_id[901].message, "doorbell ring")) << by_id[901].message;
-  v1::StepResult r;
-  r.set_request_id(good.request_id());
-  const char* p = (*region)->data() + lay.at(0);
-  r.set_out(std::string(p + lay.out, sh.OutBytes(1)));
-  r.set_lse(std::string(p + lay.lse, sh.LseBytes(1)));
+  v1::StepResult r = InPlaceResult(good.request_id(), sh, lay, region->get(), 0, 1);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
 
   // The next step of that sequence sees exactly one new row (the good step's).
@@ -174,10 +177,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
   done.clear();
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
   ASSERT_EQ(done[0].code, 0) << done[0].message;
-  r.set_request_id(next.request_id());
-  p = (*region)->data() + lay.at(1);
-  r.set_out(std::string(p + lay.out, sh.OutBytes(1)));
-  r.set_lse(std::string(p + lay.lse, sh.LseBytes(1)));
+  r = InPlaceResult(next.request_id(), sh, lay, region->get(), 1, 1);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
   EXPECT_TRUE(Close(stream.get()).ok());
 }
@@ -290,11 +290,7 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
   std::vector<client::Ring::Completion> done;
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
   ASSERT_EQ(done[0].code, 0) << done[0].message;
-  v1::StepResult r;
-  r.set_request_id(s.request_id());
-  const char* p = (*region)->data() + lay.at(0);
-  r.set_out(std::string(p + lay.out, sh.OutBytes(2)));
-  r.set_lse(std::string(p + lay.lse, sh.LseBytes(2)));
+  const v1::StepResult r = InPlaceResult(s.request_id(), sh, lay, region->get(), 0, 2);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
   EXPECT_TRUE(Close(stream.get()).ok());
   EXPECT_TRUE(daemon.Running());
