@@ -201,7 +201,10 @@ class EngineImpl final : public Engine {
     return info;
   }
 
-  absl::Status Submit(DecodeStep* step) override { return SubmitOne(step, /*wake=*/true); }
+  absl::Status Submit(DecodeStep* step) override {
+    step->unit = 0;
+    return SubmitOne(step, /*wake=*/true);
+  }
 
   // wake = false: the scheduler is not woken for this push (SubmitBatch wakes it once).
   absl::Status SubmitOne(DecodeStep* step, bool wake) {
@@ -238,8 +241,12 @@ class EngineImpl final : public Engine {
     // pushes do not wake the scheduler one by one (each wake costs the submitter a
     // syscall and the scheduler a drain); it is woken once the message is queued.
     batch_submitters_.fetch_add(1);
+    // The fair queue keeps the message whole: it launches in one batch, never
+    // interleaved with other flows' messages over several (FairQueue::Pick).
+    const uint64_t unit = n > 1 ? next_unit_.fetch_add(1, std::memory_order_relaxed) : 0;
     for (int i = 0; i < n; ++i) {
       if (i > 0 && o_.on_batch_submit_for_testing) o_.on_batch_submit_for_testing();
+      steps[i]->unit = unit;
       statuses[i] = SubmitOne(steps[i], /*wake=*/false);
     }
     batch_submitters_.fetch_sub(1);
@@ -581,6 +588,7 @@ class EngineImpl final : public Engine {
   std::atomic<bool> draining_{false};
   std::atomic<bool> unit_queued_{false};  // a SubmitBatch of 2+ steps finished queueing
   std::atomic<int> batch_submitters_{0};  // SubmitBatch calls under way
+  std::atomic<uint64_t> next_unit_{1};     // DecodeStep::unit of the next message
   std::atomic<uint64_t> accepted_{0}, completed_{0};
   absl::Mutex done_mu_;
   absl::CondVar done_cv_;

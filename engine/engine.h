@@ -152,6 +152,9 @@ struct DecodeStep {
   // (results in out/lse); the server reports them to clients that trace a step.
   absl::Time enqueued_at;
   absl::Time batched_at, launched_at, finished_at;
+  // The message (Engine::SubmitBatch) this step came in, or 0 for a lone step: a
+  // message's consecutive steps in one flow launch together when they fit one launch.
+  uint64_t unit = 0;
   void* engine_private = nullptr;
 };
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "engine/engine.h"
@@ -535,6 +536,44 @@ TEST_F(EngineTest, SubmitBatchRunsInOneLaunch) {
     EXPECT_LE(p->step.launched_at, p->step.finished_at);
   }
   EXPECT_EQ(engine->Metrics().batches, 1u) << "the message was split over launches";
+}
+
+// Messages of several streams waiting at once (model runners): each runs in one launch
+// of its own instead of being shared step by step over several launches, and every
+// stream gets its turn.
+TEST_F(EngineTest, MessagesOfManyFlowsEachRunInOneLaunch) {
+  EngineOptions o = Model(1, 16);
+  o.completion_threads = 0;  // StallScheduler holds the scheduler in a completion
+  o.max_batch_size = 16;
+  o.batch_window = absl::ZeroDuration();
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 47);
+  std::vector<std::string> seqs[4];
+  for (int f = 0; f < 4; ++f)
+    for (int i = 0; i < 12; ++i) seqs[f].push_back(h.NewSequence(5));
+  const std::string blocker = h.NewSequence(1);
+  StallScheduler(engine.get(), h, blocker);
+  std::vector<Harness::Pending*> units[4];
+  for (int f = 0; f < 4; ++f) {
+    for (const auto& s : seqs[f]) {
+      units[f].push_back(h.MakeStep(s, 0, 1, false));
+      units[f].back()->step.flow = 200 + f;
+    }
+    ASSERT_TRUE(h.SubmitBatch(units[f]).ok());
+  }
+  h.HoldCallbacks(false);
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  std::set<absl::Time> launches;
+  for (int f = 0; f < 4; ++f) {
+    for (auto* p : units[f]) {
+      EXPECT_TRUE(h.Check(*p, kExact));
+      EXPECT_EQ(p->step.batched_at, units[f][0]->step.batched_at) << "flow " << f << "'s message was split";
+    }
+    launches.insert(units[f][0]->step.batched_at);
+  }
+  EXPECT_EQ(launches.size(), 4u) << "12-step messages in 16-step launches: one message each";
+  EXPECT_EQ(engine->Metrics().last_batch_flows, 1);
 }
 
 // A message of several steps is a batch already: it launches without waiting out the

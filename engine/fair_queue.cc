@@ -182,6 +182,15 @@ bool FairQueue::HeapBefore(int32_t a, int32_t b) const {
   return nodes_[fa.head].arrival < nodes_[fb.head].arrival;
 }
 
+bool FairQueue::RestOfUnitFits(int32_t n, int steps_left, int rows_left) const {
+  const uint64_t unit = nodes_[n].step->unit;
+  for (; n >= 0 && nodes_[n].step->unit == unit; n = nodes_[n].flow_next) {
+    rows_left -= nodes_[n].step->s_q;
+    if (--steps_left < 0 || rows_left < 0) return false;
+  }
+  return true;
+}
+
 int FairQueue::Pick(int max_steps, int max_rows, absl::FunctionRef<void(DecodeStep*)> take) {
   ++picks_;
   // std's heap functions keep the greatest on top: invert for the smallest tag.
@@ -189,33 +198,51 @@ int FairQueue::Pick(int max_steps, int max_rows, absl::FunctionRef<void(DecodeSt
   heap_.assign(active_.begin(), active_.end());
   std::make_heap(heap_.begin(), heap_.end(), after);
   int taken = 0, rows = 0, flows_served = 0, most_rows = 0;
+  // Whether node n of its flow can join this batch: an earlier step of its (sequence,
+  // layer) waits in another flow, or one is in this batch already, or the room is gone.
+  auto fits = [&](int32_t n) {
+    const Key& key = keys_[nodes_[n].key];
+    return key.head == n && key.pick != picks_ && taken < max_steps && rows + nodes_[n].step->s_q <= max_rows;
+  };
   while (!heap_.empty() && taken < max_steps && rows < max_rows) {
     std::pop_heap(heap_.begin(), heap_.end(), after);
     const int32_t f = heap_.back();
     heap_.pop_back();
     Flow& fl = flows_[f];
-    const int32_t n = fl.head;
-    DecodeStep* step = nodes_[n].step;
-    Key& key = keys_[nodes_[n].key];
-    // An earlier step of this (sequence, layer) waits in another flow, or one is in
-    // this batch already, or the rows do not fit: the flow sits out this batch, tag
-    // unchanged, so it comes first next time.
-    if (key.head != n || key.pick == picks_ || rows + step->s_q > max_rows) continue;
+    int32_t n = fl.head;
+    // A flow whose head cannot be taken sits out this batch, tag unchanged, so it comes
+    // first next time. So does a message (unit) whose remaining steps do not all fit in
+    // what is left of the batch: it launches whole in the next one instead of being
+    // spread over two, which would make its sender wait for both. Only a batch still
+    // empty takes part of a unit (one larger than a launch, or held back by the
+    // (sequence, layer) rule).
+    if (!fits(n)) continue;
+    const uint64_t unit = nodes_[n].step->unit;
+    if (unit != 0 && taken > 0 && !RestOfUnitFits(n, max_steps - taken, max_rows - rows)) continue;
     virtual_time_ = std::max(virtual_time_, fl.start);
-    fl.start += static_cast<uint64_t>(step->s_q);
     if (fl.pick != picks_) {
       fl.pick = picks_;
       fl.rows = 0;
       ++flows_served;
     }
-    fl.rows += step->s_q;
-    most_rows = std::max(most_rows, fl.rows);
-    key.pick = picks_;
-    const bool more = fl.head != fl.tail;
-    Unlink(n);  // frees the flow when this was its last step
-    take(step);
-    ++taken;
-    rows += step->s_q;
+    // The head step, then the rest of its unit at once (ahead of other flows' tags, which
+    // the flow's advancing tag pays back in later batches).
+    bool more = true;
+    for (;;) {
+      DecodeStep* step = nodes_[n].step;
+      fl.start += static_cast<uint64_t>(step->s_q);
+      fl.rows += step->s_q;
+      most_rows = std::max(most_rows, fl.rows);
+      keys_[nodes_[n].key].pick = picks_;
+      more = fl.head != fl.tail;
+      const int32_t next = nodes_[n].flow_next;
+      Unlink(n);  // frees the flow when this was its last step
+      take(step);
+      ++taken;
+      rows += step->s_q;
+      if (!more || unit == 0 || nodes_[next].step->unit != unit || !fits(next)) break;
+      n = next;
+    }
     if (more) {
       heap_.push_back(f);
       std::push_heap(heap_.begin(), heap_.end(), after);

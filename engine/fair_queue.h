@@ -41,7 +41,11 @@ class FairQueue {
   // for each in the order taken. A step is taken only when it heads its flow, is the
   // earliest pending step of its (sequence, layer) and no step of that (sequence,
   // layer) is in this pick yet; a flow whose head cannot be taken sits out the rest of
-  // the pick and keeps its tag. O(flows + taken * log flows). Returns the count.
+  // the pick and keeps its tag. A message (steps of one flow sharing a nonzero
+  // DecodeStep::unit, consecutive in the flow) is taken whole, or sits out while the
+  // rest of it does not fit what is left of the batch; only an empty batch takes part
+  // of one. O(flows + taken * log flows + units passed over * unit size). Returns the
+  // count.
   int Pick(int max_steps, int max_rows, absl::FunctionRef<void(DecodeStep*)> take);
 
   int size() const { return size_; }
@@ -95,6 +99,8 @@ class FairQueue {
 
   static uint64_t KeyHash(const DecodeStep& step);
   bool HeapBefore(int32_t a, int32_t b) const;  // min-heap order of flows
+  // Whether node n and the steps of its unit behind it in its flow fit the room left.
+  bool RestOfUnitFits(int32_t n, int steps_left, int rows_left) const;
   void Unlink(int32_t node);                     // from its flow and key; frees emptied ones
 
   std::vector<Node> nodes_;

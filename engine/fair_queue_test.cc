@@ -1,6 +1,6 @@
 // Batch formation over flows, without an engine: a flood does not delay a steady flow,
 // equal flows share rows equally, order holds per flow and per (sequence, layer), more
-// flows than slots rotate, cancelled steps leave from anywhere.
+// flows than slots rotate, cancelled steps leave from anywhere, messages launch whole.
 #include "engine/fair_queue.h"
 #include "engine/step_queue.h"
 
@@ -27,6 +27,22 @@ class FairQueueTest : public ::testing::Test {
     s->engine_private = reinterpret_cast<void*>(++arrival_);
     steps_.push_back(std::move(s));
     return steps_.back().get();
+  }
+  // A message of n one-row steps of one flow (Engine::SubmitBatch), added to q.
+  std::vector<DecodeStep*> AddUnit(FairQueue& q, uint64_t flow, uint64_t unit, int n, int s_q = 1) {
+    std::vector<DecodeStep*> out;
+    for (int i = 0; i < n; ++i) {
+      DecodeStep* s = Step(flow, "u" + std::to_string(unit) + "-" + std::to_string(i), 0, s_q);
+      s->unit = unit;
+      EXPECT_TRUE(q.Add(s));
+      out.push_back(s);
+    }
+    return out;
+  }
+  static int CountOf(const std::vector<DecodeStep*>& batch, const std::vector<DecodeStep*>& unit) {
+    int n = 0;
+    for (auto* s : unit) n += std::find(batch.begin(), batch.end(), s) != batch.end();
+    return n;
   }
   std::vector<DecodeStep*> Pick(FairQueue& q, int max_steps, int max_rows = 1 << 20) {
     std::vector<DecodeStep*> out;
@@ -176,6 +192,82 @@ TEST_F(FairQueueTest, FullAndReusedAfterChurn) {
     EXPECT_TRUE(q.empty());
     EXPECT_EQ(q.flows(), 0);
   }
+}
+
+// Model runners: four flows each with a message of a whole launch. Sharing rows step by
+// step would put 16 of each in every batch, so every runner would wait for four
+// launches; each message launches whole instead, the flows taking turns.
+TEST_F(FairQueueTest, MessagesLaunchWholeAndFlowsTakeTurns) {
+  FairQueue q(1024);
+  std::vector<std::vector<DecodeStep*>> units;
+  for (int flow = 1; flow <= 4; ++flow) units.push_back(AddUnit(q, flow, 100 + flow, 64));
+  std::map<uint64_t, int> served;
+  for (int round = 0; round < 4; ++round) {
+    auto batch = Pick(q, 64);
+    ASSERT_EQ(batch.size(), 64u) << "round " << round;
+    const auto rows = RowsByFlow(batch);
+    ASSERT_EQ(rows.size(), 1u) << "round " << round << ": a message was spread over launches";
+    served[rows.begin()->first] += 1;
+    EXPECT_EQ(batch, units[rows.begin()->first - 1]) << "the message's order changed";
+  }
+  EXPECT_EQ(served.size(), 4u);
+  EXPECT_TRUE(q.empty());
+  // Messages that fit together share a launch.
+  auto a = AddUnit(q, 1, 201, 20), b = AddUnit(q, 2, 202, 20), c = AddUnit(q, 3, 203, 20);
+  auto batch = Pick(q, 64);
+  EXPECT_EQ(batch.size(), 60u);
+  EXPECT_EQ(CountOf(batch, a) + CountOf(batch, b) + CountOf(batch, c), 60);
+}
+
+// A message that does not fit what is left of a batch sits out (lone steps of other
+// flows still fill the room) and comes first in the next batch, whole.
+TEST_F(FairQueueTest, AMessageThatDoesNotFitWaitsForTheNextBatchWhole) {
+  FairQueue q(1024);
+  auto a = AddUnit(q, 1, 11, 40);
+  auto b = AddUnit(q, 2, 12, 40);
+  std::vector<DecodeStep*> lone;
+  for (int i = 0; i < 30; ++i) {
+    lone.push_back(Step(3, "lone-" + std::to_string(i)));
+    ASSERT_TRUE(q.Add(lone.back()));
+  }
+  auto first = Pick(q, 64);
+  EXPECT_EQ(CountOf(first, a), 40);
+  EXPECT_EQ(CountOf(first, b), 0) << "the second message was split";
+  EXPECT_EQ(static_cast<int>(first.size()), 40 + CountOf(first, lone));
+  EXPECT_GT(CountOf(first, lone), 0) << "the room left was not filled by lone steps";
+  auto second = Pick(q, 64);
+  EXPECT_EQ(CountOf(second, b), 40) << "the message that sat out did not come first";
+  // By rows as well as by steps.
+  auto wide = AddUnit(q, 4, 13, 4, /*s_q=*/8);
+  auto narrow = AddUnit(q, 5, 14, 3, /*s_q=*/8);
+  ASSERT_TRUE(q.size() == 7) << "lone steps left over: " << q.size() - 7;
+  auto third = Pick(q, 64, 48);
+  EXPECT_EQ(CountOf(third, wide), 4);
+  EXPECT_EQ(CountOf(third, narrow), 0) << "24 rows of message taken into 16 rows of room";
+  EXPECT_EQ(CountOf(Pick(q, 64, 48), narrow), 3);
+}
+
+// Only an empty batch takes part of a message: one larger than a launch is split, and
+// one held back by the (sequence, layer) rule goes as far as the rule allows.
+TEST_F(FairQueueTest, AMessageLargerThanALaunchIsSplitInOrder) {
+  FairQueue q(1024);
+  auto big = AddUnit(q, 1, 21, 100);
+  auto first = Pick(q, 64);
+  ASSERT_EQ(first.size(), 64u);
+  EXPECT_EQ(std::vector<DecodeStep*>(big.begin(), big.begin() + 64), first);
+  auto second = Pick(q, 64);
+  EXPECT_EQ(std::vector<DecodeStep*>(big.begin() + 64, big.end()), second);
+  // Two steps of one (sequence, layer) in one message: one per batch, in order.
+  DecodeStep* x = Step(2, "same");
+  DecodeStep* y = Step(2, "same");
+  DecodeStep* z = Step(2, "other");
+  for (DecodeStep* s : {x, y, z}) {
+    s->unit = 22;
+    ASSERT_TRUE(q.Add(s));
+  }
+  EXPECT_EQ(Pick(q, 64), std::vector<DecodeStep*>{x});
+  EXPECT_EQ(Pick(q, 64), (std::vector<DecodeStep*>{y, z}));
+  EXPECT_TRUE(q.empty());
 }
 
 }  // namespace
