@@ -1,7 +1,8 @@
 // The CUDA attention backend: KV pool in device memory, one decode launch per group of
 // steps (planner on the host, SM80 kernel and combine from kernels/). Inputs travel in
 // one pinned host-to-device copy per batch on a copy stream, so the next batch's copy
-// overlaps this batch's compute; results come back into pinned memory. Two staging
+// overlaps this batch's compute; results come back into pinned memory on a stream of
+// their own, so the next batch's kernel does not wait behind them. Two staging
 // slots, allocated once: nothing is allocated per step. Steps whose tensors lie in
 // registered host memory (a same-host client's region) skip the host staging: one
 // copy-list kernel reads their q and rows from it over PCIe, another writes out and lse
@@ -75,7 +76,9 @@ class CudaBackend final : public AttentionBackend {
  public:
   ~CudaBackend() override {
     cudaSetDevice(o_.device);
+    cudaStreamSynchronize(copy_stream_);
     cudaStreamSynchronize(stream_);
+    cudaStreamSynchronize(out_stream_);
     storage_.reset();
     for (auto& s : slots_) {
       cudaFreeHost(s.host_in);
@@ -83,10 +86,12 @@ class CudaBackend final : public AttentionBackend {
       cudaFreeHost(s.host_out);
       cudaFree(s.dev_out);
       if (s.h2d_done) cudaEventDestroy(s.h2d_done);
+      if (s.computed) cudaEventDestroy(s.computed);
       if (s.done) cudaEventDestroy(s.done);
     }
     cudaFree(workspace_);
     if (copy_stream_) cudaStreamDestroy(copy_stream_);
+    if (out_stream_) cudaStreamDestroy(out_stream_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -99,6 +104,7 @@ class CudaBackend final : public AttentionBackend {
     name_ = absl::StrCat("cuda:", dev_.name);
     if (!(st = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
     if (!(st = CudaStatus(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
+    if (!(st = CudaStatus(cudaStreamCreateWithFlags(&out_stream_, cudaStreamNonBlocking), "stream")).ok()) return st;
 
     const int h_q = o.model.num_heads_q, T = o.max_batch_tokens, E = o.max_batch_size;
     // Staging carries rows as clients send them (16-bit); the scatter quantizes them into
@@ -120,6 +126,7 @@ class CudaBackend final : public AttentionBackend {
         return st;
       if (!(st = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&s.dev_out), out_bytes_), "cudaMalloc")).ok()) return st;
       if (!(st = CudaStatus(cudaEventCreateWithFlags(&s.h2d_done, cudaEventDisableTiming), "event")).ok()) return st;
+      if (!(st = CudaStatus(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming), "event")).ok()) return st;
       if (!(st = CudaStatus(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming), "event")).ok()) return st;
       s.order.reserve(E);
       s.groups.reserve(E);
@@ -313,18 +320,21 @@ class CudaBackend final : public AttentionBackend {
     }
     // The inputs' copy and the new rows' scatter are queued here, under the engine's KV
     // lock: a fork or copy-on-write queued on the same stream afterwards sees the rows.
+    // The inputs (the staged copy, then the copy list's reads of registered memory over
+    // PCIe) go on the copy stream, which only this slot's buffers concern, so they run
+    // beside the previous batch's kernel; the compute stream waits for them.
     s.launch_status = absl::OkStatus();
     if (s.order.empty()) return;
     cudaSetDevice(o_.device);
     absl::Status st = CudaStatus(cudaMemcpyAsync(s.dev_in, s.host_in, s.in_bytes, cudaMemcpyHostToDevice, copy_stream_),
                                  "inputs to device");
-    if (st.ok()) st = CudaStatus(cudaEventRecord(s.h2d_done, copy_stream_), "event");
-    if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(stream_, s.h2d_done, 0), "wait");
     if (st.ok() && s.copies_in > 0)
       st = CudaStatus(static_cast<cudaError_t>(LaunchCopyList(reinterpret_cast<const DeviceCopy*>(
                                                                   s.dev_in + s.off_copies),
-                                                              2 * s.copies_in, s.max_copy_in, stream_)),
+                                                              2 * s.copies_in, s.max_copy_in, copy_stream_)),
                       "inputs from registered memory");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(s.h2d_done, copy_stream_), "event");
+    if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(stream_, s.h2d_done, 0), "wait");
     if (st.ok() && config_.kv_dtype == kernels::KvDType::kFp8E4M3)
       st = CudaStatus(static_cast<cudaError_t>(LaunchScatterRowsFp8(
                           s.dev_in + s.off_kv, reinterpret_cast<const int64_t*>(s.dev_in + s.off_dst), s.rows,
@@ -351,21 +361,26 @@ class CudaBackend final : public AttentionBackend {
       if (!ks.ok()) FailGroup(batch, s, grp, absl::InternalError("decode launch: " + ks.message));
     }
     const int h_q = o_.model.num_heads_q;
-    if (s.copies_out > 0)
+    // The results travel on the out stream, so the next batch's kernel starts as soon as
+    // this one's is done. This slot's dev_out is written again only two batches later,
+    // after Finish has waited for `done`.
+    st = CudaStatus(cudaEventRecord(s.computed, stream_), "event");
+    if (st.ok()) st = CudaStatus(cudaStreamWaitEvent(out_stream_, s.computed, 0), "wait");
+    if (st.ok() && s.copies_out > 0)
       st = CudaStatus(static_cast<cudaError_t>(LaunchCopyList(
                           reinterpret_cast<const DeviceCopy*>(s.dev_in + s.off_copies) + 2 * s.copies_in,
-                          2 * s.copies_out, s.max_copy_out, stream_)),
+                          2 * s.copies_out, s.max_copy_out, out_stream_)),
                       "results to registered memory");
     // Staged results come back in one copy each; skipped when every step wrote in place.
     if (st.ok() && s.staged_tokens > 0)
       st = CudaStatus(cudaMemcpyAsync(s.host_out, s.dev_out, size_t(s.tokens) * h_q * sizeof(float),
-                                      cudaMemcpyDeviceToHost, stream_),
+                                      cudaMemcpyDeviceToHost, out_stream_),
                       "lse to host");
     if (st.ok() && s.staged_tokens > 0)
       st = CudaStatus(cudaMemcpyAsync(s.host_out + out_lse_bytes_, s.dev_out + out_lse_bytes_,
-                                      size_t(s.tokens) * h_q * kHeadDimV * 2, cudaMemcpyDeviceToHost, stream_),
+                                      size_t(s.tokens) * h_q * kHeadDimV * 2, cudaMemcpyDeviceToHost, out_stream_),
                       "out to host");
-    if (st.ok()) st = CudaStatus(cudaEventRecord(s.done, stream_), "event");
+    if (st.ok()) st = CudaStatus(cudaEventRecord(s.done, out_stream_), "event");
     s.launch_status = st;
   }
 
@@ -398,7 +413,7 @@ class CudaBackend final : public AttentionBackend {
     char* host_out = nullptr;  // pinned: lse | out
     char* dev_out = nullptr;
     int table_capacity = 0;  // block table width the slot can hold
-    cudaEvent_t h2d_done = nullptr, done = nullptr;
+    cudaEvent_t h2d_done = nullptr, computed = nullptr, done = nullptr;
     std::vector<int> order;
     std::vector<LaunchGroup> groups;
     std::vector<kernels::DecodePlan> plans;
@@ -445,7 +460,7 @@ class CudaBackend final : public AttentionBackend {
   std::string name_;
   kv::KvCacheConfig config_;
   std::unique_ptr<kv::KvStorage> storage_;
-  cudaStream_t stream_ = nullptr, copy_stream_ = nullptr;
+  cudaStream_t stream_ = nullptr, copy_stream_ = nullptr, out_stream_ = nullptr;
   Slot slots_[2];
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
