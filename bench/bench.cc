@@ -3,7 +3,8 @@
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
 //   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring]
-//         [--fused_combine]
+//         [--fused_combine] [--splits N] [--shape b,h_q,s_k[,s_q]]
+// --shape times that one bf16 shape (causal when s_q > 1) instead of the table's rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,6 +64,16 @@ bool IsFp8(const Config& c) { return c.kv == kernels::KvDType::kFp8E4M3; }
 int RowBytes(const Config& c) { return IsFp8(c) ? kernels::kFp8RowBytes : kernels::kHeadDimQK * 2; }
 
 int g_tile = 0;  // --tile: force the planner's tile (0: its choice)
+int g_splits = 0;  // --splits: force about this many partitions per sequence (0: the planner's)
+
+// --splits: the planner's plan cut into about g_splits partitions of whole 32-key tiles,
+// to measure split counts the planner does not choose.
+void ForceSplits(DecodePlan* plan, int s_k) {
+  if (g_splits <= 0) return;
+  const int want = std::max(1, (s_k + g_splits - 1) / g_splits);
+  plan->keys_per_split = (want + 31) / 32 * 32;
+  plan->num_splits = std::max(1, (s_k + plan->keys_per_split - 1) / plan->keys_per_split);
+}
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
 
@@ -139,6 +150,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   Result r{};
   r.copies = copies;
   CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
+  ForceSplits(&r.plan, c.s_k);
   r.plan.fp8_ring = g_fp8_ring;
   r.plan.fused_combine = g_fused;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
@@ -164,6 +176,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
     const double w = time_one([&] {
       DecodePlan plan;
       CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
+      ForceSplits(&plan, c.s_k);
       plan.fp8_ring = g_fp8_ring;
       plan.fused_combine = g_fused;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
@@ -192,6 +205,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
 int Main(int argc, char** argv) {
   int runs = 100;
   std::string only, kv_filter;  // --kv_dtype: only the rows of that KV cache dtype
+  std::string shape;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
@@ -199,6 +213,8 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
     if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
     if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
+    if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
   }
   if (!kv_filter.empty() && kv_filter != "model" && kv_filter != "fp8_e4m3") {
     std::fprintf(stderr, "--kv_dtype: expected model or fp8_e4m3, got %s\n", kv_filter.c_str());
@@ -257,6 +273,16 @@ int Main(int argc, char** argv) {
       {32, 64, 8192, DType::kBF16, 1, false, fp8},   {64, 16, 4096, DType::kFP16, 1, false, fp8},
       {64, 128, 4096, DType::kBF16, 2, true, fp8},
   };
+  if (!shape.empty()) {
+    Config c{0, 0, 0, DType::kBF16};
+    const int n = std::sscanf(shape.c_str(), "%d,%d,%d,%d", &c.b, &c.h_q, &c.s_k, &c.s_q);
+    if (n < 3 || c.b < 1 || c.h_q < 1 || c.s_k < 1 || c.s_q < 1) {
+      std::fprintf(stderr, "--shape: expected b,h_q,s_k[,s_q] with positive values, got %s\n", shape.c_str());
+      return 2;
+    }
+    c.causal = c.s_q > 1;
+    configs = {c};
+  }
   size_t ws_bytes = 0;
   for (const auto& c : configs)
     ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, c.s_q, c.h_q, 1));

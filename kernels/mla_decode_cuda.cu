@@ -157,6 +157,15 @@ bool Has64(int device) {
   return ok;
 }
 
+// Calls with at most this many query rows in all (batch x KV heads x rows per KV head)
+// run the 16-row tile whatever their rows per KV head: they are latency-bound, and it is
+// the tile with the shortest path per KV tile (Q in registers, 2 CTAs per SM on A100
+// too); its extra reads of each KV tile, one per 16 rows, are L2 hits, since a
+// partition's row tiles are neighbours in the grid. Measured on the H200 at 4096 keys
+// (docs/kernel-tuning.md, round 16): 1.04-1.35x the 32- and 64-row tiles up to 512
+// rows, 0.81-0.88x at 1024.
+constexpr int64_t kSmallCallRows = 512;
+
 // The planner's tile. The 64-row tile needs its machine code, and enough CTAs to fill
 // the GPU: it runs one CTA of 8 warps per SM, so with fewer than an eighth of the SMs'
 // worth of (sequence, KV head, 64-row) streams two 4-warp CTAs per stream do better
@@ -164,6 +173,7 @@ bool Has64(int device) {
 int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p) {
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const int tile = TileRowsFor(rows);
+  if (int64_t(p.batch) * p.h_kv * rows <= kSmallCallRows) return 16;
   if (tile != 64) return tile;
   const int64_t streams = int64_t(p.batch) * p.h_kv * ((rows + 63) / 64);
   if (streams * 8 < dev.sm_count || !Has64(dev.device)) return 32;
@@ -351,11 +361,11 @@ size_t MaxDecodeWorkspaceBytes(const DeviceInfo& dev, int max_batch, int s_q, in
   // so batch * num_splits <= batch + slots / (h_kv * row_tiles) over every batch size.
   // The slot count uses the largest occupancy any tile can have (registers cap it at 16
   // CTAs of 128 threads on SM80+).
-  // Every tile the planner may pick for these rows (64 or, with few streams or no SM90
-  // image, 32).
+  // Every tile the planner may pick for these rows: 16 (small calls), and 32 and 64
+  // where the rows ask for them.
   const int rows = (h_q / h_kv) * s_q;
   size_t most = 0;
-  for (int tile : {TileRowsFor(rows), TileRowsFor(rows) == 64 ? 32 : 0}) {
+  for (int tile : {16, TileRowsFor(rows) >= 32 ? 32 : 0, TileRowsFor(rows) == 64 ? 64 : 0}) {
     if (tile == 0) continue;
     const int row_tiles = (rows + tile - 1) / tile;
     int ctas = 0;

@@ -225,16 +225,17 @@ TEST(GpuDecode, SweepFp16) {
 // The compute tile over 64 to 1024 rows per KV head: h_q 64 and 128, s_q 1-8, causal
 // and not, lengths from empty to past a page edge, h_kv 1 and 2, with and without
 // split-K (forced 64-key partitions: the combine kernel; 128: fused up to 2). Once with
-// the planner's tiles, and (where the 64-row tile exists) once with the 64-row tile
-// forced on every shape, h_q 32 included: a tile whose second group has no rows, with a
-// 16-bit and with an FP8 cache. Each shape twice: normal data, and keys whose scores
+// the planner's tiles; once each with the 16- and 32-row tiles forced on every shape
+// (the 16-row tile, which small calls get, over 2 to 64 row tiles), h_q 32 included;
+// and (where the 64-row tile exists) once with the 64-row tile forced, h_q 32 included:
+// a tile whose second group has no rows, with a 16-bit and with an FP8 cache. Each shape twice: normal data, and keys whose scores
 // keep rising (the softmax's running max moves after the first tile: the 64-row tile's
 // exchange of maxima, round 10).
 TEST(GpuDecode, ComputeTileSweep) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(17);
   int n = 0, failed = 0;
-  std::vector<int> forced = {0};
+  std::vector<int> forced = {0, 16, 32};
   if (TheGpu().dev.cc_major == 9) forced.push_back(64);
   for (int tile : forced)
   for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
@@ -474,8 +475,15 @@ TEST(GpuDecode, PlannerAndErrors) {
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 32);
   EXPECT_EQ(plan.row_tiles, g.dev.cc_major == 9 ? 2 : 4);
-  shape.batch = 1;  // one stream: two 4-warp CTAs beat one 8-warp CTA
+  shape.batch = 1;  // small calls (up to 512 query rows in all): the 16-row tile
   p.batch = 1;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 16);
+  EXPECT_EQ(plan.row_tiles, 8);
+  p.batch = 4;
+  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
+  EXPECT_EQ(plan.tile_rows, 16);
+  p.batch = 5;  // 640 rows in 10 64-row streams: two 4-warp CTAs beat one 8-warp CTA
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, 32);
   p.batch = 64;
