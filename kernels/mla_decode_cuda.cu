@@ -157,27 +157,27 @@ bool Has64(int device) {
   return ok;
 }
 
-// Calls with at most this many query rows in all (batch x KV heads x rows per KV head)
-// run the 16-row tile whatever their rows per KV head: they are latency-bound, and it is
-// the tile with the shortest path per KV tile (Q in registers, 2 CTAs per SM on A100
-// too); its extra reads of each KV tile, one per 16 rows, are L2 hits, since a
-// partition's row tiles are neighbours in the grid. Measured on the H200 at 4096 keys
-// (docs/kernel-tuning.md, round 16): 1.04-1.35x the 32- and 64-row tiles up to 512
-// rows, 0.81-0.88x at 1024.
-constexpr int64_t kSmallCallRows = 512;
+// Calls with at most this many query-row keys in all (batch x KV heads x rows per KV
+// head x longest sequence) run the 16-row tile whatever their rows per KV head: they
+// are latency-bound, and it is the tile with the shortest path per KV tile (Q in
+// registers, 2 CTAs per SM on A100 too); its extra reads of each KV tile, one per 16
+// rows, are L2 hits, since a partition's row tiles are neighbours in the grid. Measured
+// on the H200 (docs/kernel-tuning.md, round 16): up to 2^21 it wins or ties against the
+// 32- and 64-row tiles ((1,64,4096) 1.29x, (8,64,4096) 1.04x, (4,128,4096) 1.0x); at
+// 2^22 and beyond the 64-row tile is 7-21% faster ((4,128,8192), (1,128,65536)).
+constexpr int64_t kSmallCallRowKeys = int64_t{1} << 21;
 
-// The planner's tile. The 64-row tile needs its machine code, and enough CTAs to fill
-// the GPU: it runs one CTA of 8 warps per SM, so with fewer than an eighth of the SMs'
-// worth of (sequence, KV head, 64-row) streams two 4-warp CTAs per stream do better
-// (measured: (1,64,4096) 152 GB/s against 166 on the H200, docs/kernel-tuning.md).
-int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p) {
+// The planner's tile: the 16-row tile for few rows per KV head and for small calls;
+// otherwise the 64-row tile where it has machine code (SM90) and the rows ask for it,
+// else the 32-row tile. (Before the small-call rule, calls of few 64-row streams took
+// the 32-row tile; round 16 measured the 64-row tile faster on every such call that
+// the rule leaves to it.)
+int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p, int max_len) {
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const int tile = TileRowsFor(rows);
-  if (int64_t(p.batch) * p.h_kv * rows <= kSmallCallRows) return 16;
-  if (tile != 64) return tile;
-  const int64_t streams = int64_t(p.batch) * p.h_kv * ((rows + 63) / 64);
-  if (streams * 8 < dev.sm_count || !Has64(dev.device)) return 32;
-  return 64;
+  if (tile == 16 || int64_t(p.batch) * p.h_kv * rows * max_len <= kSmallCallRowKeys) return 16;
+  if (tile == 64 && Has64(dev.device)) return 64;
+  return 32;
 }
 
 // Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy
@@ -330,13 +330,6 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (dev.sm_count < 1) return Status::Invalid("dev: expected a DeviceInfo filled by QueryDevice");
   DecodePlan r;
   if (tile_rows != 0 && TileIndex(tile_rows) < 0) return Status::Invalid("tile_rows: expected 0, 16, 32 or 64");
-  r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(dev, p);
-  const int rows = (p.h_q / p.h_kv) * p.s_q;
-  r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
-  r.threads = ThreadsOf(r.tile_rows);
-  r.smem_bytes = SmemOf(r.tile_rows, p.kv_dtype);
-  s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
-  if (!s.ok()) return s;
   int max_len = 0;
   for (int i = 0; i < p.batch; ++i) {
     if (seqlens_host[i] < 0) return Status::Invalid("seqlens_host[" + std::to_string(i) + "] is negative");
@@ -344,6 +337,13 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
       return Status::Invalid("seqlens_host[" + std::to_string(i) + "] exceeds max_pages_per_seq * 64");
     max_len = std::max(max_len, seqlens_host[i]);
   }
+  r.tile_rows = tile_rows != 0 ? tile_rows : ChooseTileRows(dev, p, max_len);
+  const int rows = (p.h_q / p.h_kv) * p.s_q;
+  r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
+  r.threads = ThreadsOf(r.tile_rows);
+  r.smem_bytes = SmemOf(r.tile_rows, p.kv_dtype);
+  s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
+  if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
   *plan = r;

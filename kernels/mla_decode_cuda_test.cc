@@ -475,17 +475,17 @@ TEST(GpuDecode, PlannerAndErrors) {
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 32);
   EXPECT_EQ(plan.row_tiles, g.dev.cc_major == 9 ? 2 : 4);
-  shape.batch = 1;  // small calls (up to 512 query rows in all): the 16-row tile
+  shape.batch = 1;  // small calls (up to 2^21 query-row keys in all): the 16-row tile
   p.batch = 1;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, 16);
   EXPECT_EQ(plan.row_tiles, 8);
-  p.batch = 4;
+  p.batch = 4;  // 512 rows x 4096 keys: still small
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, 16);
-  p.batch = 5;  // 640 rows in 10 64-row streams: two 4-warp CTAs beat one 8-warp CTA
+  p.batch = 5;  // 640 rows x 4096 keys: the compute tile
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, 32);
+  EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 32);
   p.batch = 64;
   p.h_q = 32;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
