@@ -198,8 +198,9 @@ int FairQueue::Pick(int max_steps, int max_rows, absl::FunctionRef<void(DecodeSt
   heap_.assign(active_.begin(), active_.end());
   std::make_heap(heap_.begin(), heap_.end(), after);
   int taken = 0, rows = 0, flows_served = 0, most_rows = 0;
-  // Whether node n of its flow can join this batch: an earlier step of its (sequence,
-  // layer) waits in another flow, or one is in this batch already, or the room is gone.
+  // Whether node n can join this batch: it is the earliest pending step of its
+  // (sequence, layer) (none waits in another flow), none of that (sequence, layer) is in
+  // the batch yet, and the room left holds it.
   auto fits = [&](int32_t n) {
     const Key& key = keys_[nodes_[n].key];
     return key.head == n && key.pick != picks_ && taken < max_steps && rows + nodes_[n].step->s_q <= max_rows;
