@@ -26,7 +26,7 @@ for name in "$@"; do
       echo "--- $name h_q $hq R=$r B=$b $mode"
       "$bundle/run" runner_bench --target=127.0.0.1:"$port" --runners="$r" --batch="$b" --layers=4 \
         --prefix_len=4096 --tokens="${TOKENS:-30}" --warmup_tokens=5 --check_every=$(( hq == 128 ? 400 : 50 )) \
-        "${flag[@]}" 2>&1 | grep -E "round trip|layer-steps|engine queue|stage|launch ->|rest of message|mismatched|rror"
+        "${flag[@]}" 2>&1 | grep -E "round trip|layer-steps|engine queue|stage|launch ->|rest of message|mismatch|rror"
     done
     kill -TERM $pid; wait $pid; echo "daemon exit $?"
   done
