@@ -167,17 +167,18 @@ bool Has64(int device) {
 // 2^22 and beyond the 64-row tile is 7-21% faster ((4,128,8192), (1,128,65536)).
 constexpr int64_t kSmallCallRowKeys = int64_t{1} << 21;
 
-// The planner's tile: the 64-row tile for 64+ rows per KV head where it has machine
-// code (SM90) and the call is not small; the 16-row tile for everything else. The
-// 32-row tile is never the planner's choice: round 16 measured the 16-row tile faster
-// on every shape tried, 2-12% from 32 to 1024 rows per KV head, memory- and compute-
-// bound, s_q 2 included (on the H200, running the SM80 code; A100-class GPUs, which
-// have no 64-row tile, take the 16-row tile on the strength of the same code, not of
-// an A100 measurement). It stays for benchmarks and tests (PlanDecode's tile_rows).
+// The planner's tile: the 16-row tile for up to 63 rows per KV head and for small
+// calls; otherwise the 64-row tile where it has machine code (SM90), else the 32-row
+// tile. Round 16 measured the 16-row tile 2-12% faster than the 32-row tile on every
+// shape tried on the H200, 32 to 1024 rows per KV head, s_q 2 included. At 32-63 rows
+// it reads each KV tile twice from L2 where the 32-row tile reads it once; at 64+ rows
+// 4-8 times, which the H200's L2 carried but an A100's smaller L2 bandwidth may not:
+// A100-class GPUs (no 64-row tile) keep the 32-row tile there until measured.
 int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p, int max_len) {
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const bool small = int64_t(p.batch) * p.h_kv * rows * max_len <= kSmallCallRowKeys;
-  return TileRowsFor(rows) == 64 && !small && Has64(dev.device) ? 64 : 16;
+  if (TileRowsFor(rows) != 64 || small) return 16;
+  return Has64(dev.device) ? 64 : 32;
 }
 
 // Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy

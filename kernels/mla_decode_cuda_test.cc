@@ -473,8 +473,8 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_LE(plan.num_splits * 64, plan.ctas_per_sm * g.dev.sm_count);
   p.h_q = 128;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 16);
-  EXPECT_EQ(plan.row_tiles, g.dev.cc_major == 9 ? 2 : 8);
+  EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 32);
+  EXPECT_EQ(plan.row_tiles, g.dev.cc_major == 9 ? 2 : 4);
   shape.batch = 1;  // small calls (up to 2^21 query-row keys in all): the 16-row tile
   p.batch = 1;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
@@ -485,7 +485,7 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_EQ(plan.tile_rows, 16);
   p.batch = 5;  // 640 rows x 4096 keys: the compute tile where there is one
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 16);
+  EXPECT_EQ(plan.tile_rows, g.dev.cc_major == 9 ? 64 : 32);
   p.batch = 64;
   p.h_q = 32;  // 32 rows per KV head: two 16-row tiles, never the 32-row tile
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
