@@ -73,7 +73,11 @@ def main():
             # two device copies, as a model's batched q would be.
             q_at, kv_at, out_at, lse_at = 0, B * qb, B * (qb + kvb), B * (qb + kvb + ob)
             dev_region = torch.zeros(B * (qb + kvb + ob + lb), dtype=torch.uint8, device="cuda")
-            session.open_cuda_region(dev_region)
+            entries = 1
+            while entries < B:
+                entries *= 2
+            # --ring: the ring is a host file of its own; offsets stay the tensor's.
+            session.open_cuda_region(dev_region, ring_entries=entries if a.ring else 0)
             q_dev = torch.from_numpy(q_pool.view(np.int16)).cuda().reshape(B, -1)
             kv_dev = torch.from_numpy(kv_pool.view(np.int16)).cuda().reshape(B, -1)
             q_dst = dev_region[q_at:kv_at].view(torch.int16).view(B, -1)
@@ -81,6 +85,16 @@ def main():
             cuda_steps = lambda layer: [dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=q_at + b * qb,
                                              kv_offset=kv_at + b * kvb, out_offset=out_at + b * ob,
                                              lse_offset=lse_at + b * lb) for b in range(B)]
+            if a.ring:
+                ring = session.ring
+                ring_steps = ring.steps(B)
+                ring.set_sequence_ids(ring_steps, seqs)
+                ring_steps["s_q"] = 1
+                ring_steps["q_offset"] = q_at + np.arange(B) * qb
+                ring_steps["kv_offset"] = kv_at + np.arange(B) * kvb
+                ring_steps["out_offset"] = out_at + np.arange(B) * ob
+                ring_steps["lse_offset"] = lse_at + np.arange(B) * lb
+                next_id = 1
         elif a.ring:
             from latentd_client import ring_bytes
             entries = 1
@@ -114,10 +128,12 @@ def main():
                     q_dst.copy_(q_dev)
                     kv_dst.copy_(kv_dev)
                     torch.cuda.synchronize()
-                    ids = split(session.submit_region, cuda_steps(layer))
-                elif a.ring:
-                    q_all[:] = q_pool
-                    kv_all[:] = kv_pool
+                    if not a.ring:
+                        ids = split(session.submit_region, cuda_steps(layer))
+                if a.ring:
+                    if not a.cuda:
+                        q_all[:] = q_pool
+                        kv_all[:] = kv_pool
                     ring_steps["request_id"] = np.arange(next_id, next_id + B)
                     ring_steps["layer"] = layer
                     next_id += B
@@ -127,14 +143,14 @@ def main():
                     if np.any(done["code"] != 0):
                         bad = done[done["code"] != 0][0]
                         raise SystemExit(f"step failed: {bad['code']} {bad['message'][:bad['message_bytes']]}")
-                elif a.shm:
+                elif a.shm and not a.cuda:
                     for b in range(B):
                         q_views[b][:] = q_pool[b]
                         kv_views[b][:] = kv_pool[b]
                     ids = split(session.submit_region, [dict(sequence_id=seqs[b], layer=layer, s_q=1, q_offset=b * slot,
                                                       kv_offset=b * slot + qb, out_offset=b * slot + qb + kvb,
                                                       lse_offset=b * slot + qb + kvb + ob) for b in range(B)])
-                else:
+                elif not a.cuda:
                     ids = split(session.submit_many, [dict(sequence_id=seqs[b], layer=layer, q=q_pool[b].tobytes(),
                                                     kv=kv_pool[b].tobytes()) for b in range(B)])
                 got = B if a.ring else 0
@@ -158,7 +174,7 @@ def main():
         for _ in results:
             pass
     t = np.array(times)
-    print(f"python_runner: h_q {h_q} B {B} L {L} {'CUDA region' if a.cuda else 'doorbell ring' if a.ring else 'shared region' if a.shm else 'gRPC bytes'}, "
+    print(f"python_runner: h_q {h_q} B {B} L {L} {('CUDA region with doorbell ring' if a.ring else 'CUDA region') if a.cuda else 'doorbell ring' if a.ring else 'shared region' if a.shm else 'gRPC bytes'}, "
           f"{-(-B // per_msg)} message(s) per layer: per-layer p50 "
           f"{np.percentile(t, 50):.3f} ms p90 {np.percentile(t, 90):.3f} ms p99 {np.percentile(t, 99):.3f} ms "
           f"({len(t)} layers)")

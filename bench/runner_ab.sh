@@ -5,7 +5,7 @@
 # carried with ../shared/tools/bundle.sh.
 #   bench/runner_ab.sh BUNDLE DAEMON [DAEMON...]
 # Environment: HQ (default "16"), CASES (default "4:64:ring 1:64:ring"; R:B:mode with
-# mode ring, shm or bytes), TOKENS (default 30), DAEMON_FLAGS (extra daemon flags).
+# mode ring, shm, cuda (a CUDA region), cudaring (a CUDA region with its ring) or bytes), TOKENS (default 30), DAEMON_FLAGS (extra daemon flags).
 set -uo pipefail
 bundle=$1; shift
 for name in "$@"; do
@@ -23,10 +23,12 @@ for name in "$@"; do
       flag=()
       [[ $mode == ring ]] && flag=(--ring)
       [[ $mode == shm ]] && flag=(--shm)
+      [[ $mode == cuda ]] && flag=(--cuda_region)
+      [[ $mode == cudaring ]] && flag=(--cuda_region --ring)
       echo "--- $name h_q $hq R=$r B=$b $mode"
       "$bundle/run" runner_bench --target=127.0.0.1:"$port" --runners="$r" --batch="$b" --layers=4 \
         --prefix_len=4096 --tokens="${TOKENS:-30}" --warmup_tokens=5 --check_every=$(( hq == 128 ? 400 : 50 )) \
-        "${flag[@]}" 2>&1 | grep -E "round trip|layer-steps|engine queue|stage|launch ->|rest of message|mismatch|rror"
+        "${flag[@]}" 2>&1 | grep -E "round trip|layer-steps|->|engine queue|stage|rest of message|mismatch|rror"
     done
     kill -TERM $pid; wait $pid; echo "daemon exit $?"
   done

@@ -722,10 +722,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                         "DecodeRequest.open_region_bytes, open_cuda_region: expected at most one of them");
       }
       if (ring_entries > 0) {
-        if (open_region == 0) {
+        if (open_region == 0 && !cuda_region_.present) {
           return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                          "DecodeRequest.region_ring_entries: expected with open_region_bytes (the ring lies at the "
-                          "start of a shared region in host memory)");
+                          "DecodeRequest.region_ring_entries: expected with open_region_bytes or open_cuda_region (a "
+                          "ring belongs to the region it opens)");
         }
         if (!ring::ValidEntries(ring_entries)) {
           return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
@@ -733,7 +733,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                        "; expected a power of two from 1 to ", ring::kMaxEntries));
         }
         const uint64_t ring_bytes = ring::RingBytes(static_cast<uint32_t>(ring_entries));
-        if (open_region < ring_bytes) {
+        if (!cuda_region_.present && open_region < ring_bytes) {
           return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("DecodeRequest.open_region_bytes: ", open_region, "; expected at least the ",
                                        ring_bytes, " bytes a ring of ", ring_entries, " entries takes"));
@@ -747,7 +747,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       if (open_region > 0 || cuda_region_.present) {
         const bool fresh = region_ == nullptr;
-        grpc::Status st = cuda_region_.present ? OpenCudaRegion(cuda_region_) : OpenRegion(open_region);
+        grpc::Status st = cuda_region_.present ? OpenCudaRegion(cuda_region_, fresh ? ring_entries : 0)
+                                               : OpenRegion(open_region);
         if (ring_entries > 0 && fresh) {
           if (st.ok()) {
             StartRing(static_cast<uint32_t>(ring_entries));
@@ -1031,7 +1032,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // reservation of the same size: steps' pointers are computed from it (and validated
   // against it) like a shared file's, but only the device ever touches the memory
   // (Engine::OpenDeviceMemory). Read side only.
-  grpc::Status OpenCudaRegion(const wire::CudaRegionFields& req) {
+  grpc::Status OpenCudaRegion(const wire::CudaRegionFields& req, uint64_t ring_entries) {
     const ServiceOptions& o = service_->options();
     if (region_ != nullptr) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -1080,18 +1081,58 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     region_device_ = mem->address;
     region_memory_ = *mem;
     region_is_cuda_ = true;
+    std::string ring_path;
+    if (ring_entries > 0) {
+      absl::StatusOr<std::string> made = OpenRingFile(ring::RingBytes(static_cast<uint32_t>(ring_entries)));
+      if (!made.ok()) {
+        return grpc::Status(static_cast<grpc::StatusCode>(made.status().code()), std::string(made.status().message()));
+      }
+      ring_path = *std::move(made);
+    }
     absl::MutexLock l(&mu_);
-    region_reply_ = wire::EncodeRegionResponse("", req.bytes);
+    region_reply_ = wire::EncodeRegionResponse(ring_path, req.bytes, ring_file_bytes_);
     return grpc::Status::OK;
+  }
+
+  // A CUDA region's doorbell ring: host memory the device region cannot hold, as a
+  // sealed memory file of its own (like OpenRegion's) charged to the regions' total.
+  // The region is already set: the destructor frees both. Read side only.
+  absl::StatusOr<std::string> OpenRingFile(uint64_t bytes) {
+    const ServiceOptions& o = service_->options();
+    if (!service_->ChargeRegion(static_cast<int64_t>(bytes))) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "DecodeRequest.region_ring_entries: the ring's ", bytes, " bytes of host memory would put regions of all "
+          "streams over --max_region_total_bytes=", o.max_region_total_bytes, "; retry later or ask for fewer entries"));
+    }
+    const int fd = memfd_create("latentd-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    void* map = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
+      map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (map == MAP_FAILED) {
+      const int err = errno;
+      if (fd >= 0) close(fd);
+      service_->ReleaseRegion(static_cast<int64_t>(bytes));
+      return absl::ResourceExhaustedError(absl::StrCat("DecodeRequest.region_ring_entries: cannot make a ring of ",
+                                                       bytes, " bytes: ", strerror(err)));
+    }
+    ring_fd_ = fd;
+    ring_file_ = static_cast<char*>(map);
+    ring_file_bytes_ = bytes;
+    return absl::StrCat("/proc/", getpid(), "/fd/", fd);
   }
 
   // Doorbell ring (server/ring.h). Called on the read side right after the region was
   // opened, before its answer is written: the ring's thread holds a reference (lifetime
   // rule) until it has stopped, and the stream does not finish while it runs.
   void StartRing(uint32_t entries) {
-    ring_ = reinterpret_cast<ring::Header*>(region_);
+    // In a file of its own beside a CUDA region; else at the start of the shared region,
+    // whose tensors then lie after it.
+    ring_base_ = ring_file_ != nullptr ? ring_file_ : region_;
+    ring_ = reinterpret_cast<ring::Header*>(ring_base_);
     ring_entries_ = entries;
-    ring_bytes_ = ring::RingBytes(entries);
+    ring_bytes_ = ring_file_ != nullptr ? 0 : ring::RingBytes(entries);
     ring_->entries = entries;  // the memory file is fresh: every counter starts at 0
     {
       absl::MutexLock l(&mu_);
@@ -1191,7 +1232,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       absl::MutexLock l(&mu_);
       TakeSlotsLocked(static_cast<int>(take), &ring_batch_);
     }
-    const char* sq = region_ + ring::SqOffset();
+    const char* sq = ring_base_ + ring::SqOffset();
     for (uint32_t i = 0; i < take; ++i) {
       Slot* slot = ring_batch_[i];
       ring::SqEntry e;
@@ -1236,7 +1277,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // A ring group's results: one completion entry each, published with one store of
   // cq_tail (and a futex wake if the client sleeps), and the slots taken back.
   void PostLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    char* cq = region_ + ring::CqOffset(ring_entries_);
+    char* cq = ring_base_ + ring::CqOffset(ring_entries_);
     const absl::Time now = absl::Now();
     uint64_t delivered = 0;
     for (Slot* s = g->held; s != nullptr;) {
@@ -1329,6 +1370,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       if (ring_ != nullptr) service_->ReleaseRing();
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
+    if (ring_file_ != nullptr) {  // a CUDA region's ring: its thread has stopped
+      munmap(ring_file_, ring_file_bytes_);
+      close(ring_fd_);
+      service_->ReleaseRegion(static_cast<int64_t>(ring_file_bytes_));
+    }
   }
 
   DecodeServiceImpl* const service_;
@@ -1349,8 +1395,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // the ring's thread starts, then fixed. ring_stop_ tells that thread to stop.
   static constexpr int kRingRun = 0, kRingStopDrained = 1, kRingStopNow = 2;
   ring::Header* ring_ = nullptr;
+  char* ring_base_ = nullptr;  // ring_ as bytes: region_, or ring_file_ beside a CUDA region
   uint32_t ring_entries_ = 0;
-  uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes
+  uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes of the region (0: ring in its own file)
+  // A CUDA region's ring lives in a memory file of its own (OpenRingFile).
+  int ring_fd_ = -1;
+  char* ring_file_ = nullptr;
+  uint64_t ring_file_bytes_ = 0;
   std::atomic<int> ring_stop_{kRingRun};
   std::vector<Slot*> ring_batch_;  // the ring thread's slots for the batch it takes
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered

@@ -23,7 +23,8 @@ constexpr int kLen = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
 constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
               kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
-constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2;
+constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2,
+              kRegionRingBytes = 3;
 constexpr int kRequestRingEntries = 4;
 constexpr int kRequestOpenCudaRegion = 3, kCudaHandle = 1, kCudaOffset = 2, kCudaBytes = 3;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
@@ -307,9 +308,10 @@ absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* stre
   return absl::OkStatus();
 }
 
-std::string EncodeRegionResponse(const std::string& path, uint64_t bytes) {
-  const size_t body = 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(path.size())) + path.size() + 1 +
-                      CodedOutputStream::VarintSize64(bytes);
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes) {
+  size_t body = 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(path.size())) + path.size() + 1 +
+                CodedOutputStream::VarintSize64(bytes);
+  if (ring_bytes != 0) body += 1 + CodedOutputStream::VarintSize64(ring_bytes);
   std::string out(1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body, '\0');
   uint8_t* p = reinterpret_cast<uint8_t*>(&out[0]);
   p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResponseRegion, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
@@ -318,7 +320,11 @@ std::string EncodeRegionResponse(const std::string& path, uint64_t bytes) {
   p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionPath, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
   p = CodedOutputStream::WriteStringWithSizeToArray(path, p);
   p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionBytes, WireFormatLite::WIRETYPE_VARINT), p);
-  CodedOutputStream::WriteVarint64ToArray(bytes, p);
+  p = CodedOutputStream::WriteVarint64ToArray(bytes, p);
+  if (ring_bytes != 0) {
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionRingBytes, WireFormatLite::WIRETYPE_VARINT), p);
+    CodedOutputStream::WriteVarint64ToArray(ring_bytes, p);
+  }
   return out;
 }
 

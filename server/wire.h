@@ -106,8 +106,8 @@ struct ResultView {
   const Timing* timing = nullptr;  // written when set
 };
 
-// A DecodeResponse holding only `region` {path, bytes}.
-std::string EncodeRegionResponse(const std::string& path, uint64_t bytes);
+// A DecodeResponse holding only `region` {path, bytes, ring_bytes (written when not 0)}.
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes = 0);
 
 // A successful result laid out before its step runs (zero-copy responses): the engine
 // writes out straight into the response buffer. Offsets count from the result's start.

@@ -368,7 +368,13 @@ TEST(WireTest, RegionFieldsAndResponse) {
   ASSERT_TRUE(resp.ParseFromString(EncodeRegionResponse("/proc/1/fd/7", 12345)));
   EXPECT_EQ(resp.region().path(), "/proc/1/fd/7");
   EXPECT_EQ(resp.region().bytes(), 12345u);
+  EXPECT_EQ(resp.region().ring_bytes(), 0u);
   EXPECT_EQ(resp.results_size(), 0);
+  // A CUDA region's separate ring file.
+  ASSERT_TRUE(resp.ParseFromString(EncodeRegionResponse("/proc/1/fd/9", uint64_t{1} << 35, 73728)));
+  EXPECT_EQ(resp.region().path(), "/proc/1/fd/9");
+  EXPECT_EQ(resp.region().bytes(), uint64_t{1} << 35);
+  EXPECT_EQ(resp.region().ring_bytes(), 73728u);
 }
 
 TEST(WireTest, CudaRegionFields) {

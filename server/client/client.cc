@@ -247,10 +247,7 @@ DecodeStream::~DecodeStream() = default;
 
 SharedRegion::~SharedRegion() { munmap(data_, size_); }
 
-absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t bytes, uint32_t ring_entries) {
-  v1::DecodeRequest req;
-  req.set_open_region_bytes(bytes);
-  req.set_region_ring_entries(ring_entries);
+absl::StatusOr<v1::SharedRegion> DecodeStream::AskForRegion(const v1::DecodeRequest& req, uint64_t bytes) {
   v1::DecodeResponse resp;
   if (!rw_->Write(req) || !rw_->Read(&resp)) {
     grpc::Status st = rw_->Finish();
@@ -258,7 +255,13 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t 
   }
   if (!resp.has_region() || resp.region().bytes() != bytes)
     return absl::InternalError("Decode stream: the first response is not the region's answer");
-  const std::string& path = resp.region().path();
+  return resp.region();
+}
+
+namespace {
+
+// Maps `bytes` bytes of a memory file the daemon shares (SharedRegion.path).
+absl::StatusOr<std::unique_ptr<SharedRegion>> MapShared(const std::string& path, uint64_t bytes) {
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
     return absl::FailedPreconditionError(absl::StrCat("shared region ", path, ": ", std::strerror(errno),
@@ -271,20 +274,41 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t 
   return std::make_unique<SharedRegion>(static_cast<char*>(map), bytes);
 }
 
-absl::Status DecodeStream::OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes) {
+v1::DecodeRequest CudaRegionRequest(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes,
+                                    uint32_t ring_entries) {
   v1::DecodeRequest req;
   v1::CudaRegion* region = req.mutable_open_cuda_region();
   region->set_ipc_handle(std::string(ipc_handle));
   region->set_offset(offset);
   region->set_bytes(bytes);
-  v1::DecodeResponse resp;
-  if (!rw_->Write(req) || !rw_->Read(&resp)) {
-    grpc::Status st = rw_->Finish();
-    return st.ok() ? absl::UnavailableError("Decode stream ended before the region's answer") : ToAbsl(st);
-  }
-  if (!resp.has_region() || resp.region().bytes() != bytes)
-    return absl::InternalError("Decode stream: the first response is not the region's answer");
-  return absl::OkStatus();
+  req.set_region_ring_entries(ring_entries);
+  return req;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t bytes, uint32_t ring_entries) {
+  v1::DecodeRequest req;
+  req.set_open_region_bytes(bytes);
+  req.set_region_ring_entries(ring_entries);
+  absl::StatusOr<v1::SharedRegion> answer = AskForRegion(req, bytes);
+  if (!answer.ok()) return answer.status();
+  return MapShared(answer->path(), bytes);
+}
+
+absl::Status DecodeStream::OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes) {
+  return AskForRegion(CudaRegionRequest(ipc_handle, offset, bytes, 0), bytes).status();
+}
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenCudaRegionWithRing(absl::string_view ipc_handle,
+                                                                                   uint64_t offset, uint64_t bytes,
+                                                                                   uint32_t ring_entries) {
+  absl::StatusOr<v1::SharedRegion> answer =
+      AskForRegion(CudaRegionRequest(ipc_handle, offset, bytes, ring_entries), bytes);
+  if (!answer.ok()) return answer.status();
+  if (answer->ring_bytes() != ring::RingBytes(ring_entries) || answer->path().empty())
+    return absl::InternalError("Decode stream: the region's answer holds no ring of the size asked for");
+  return MapShared(answer->path(), answer->ring_bytes());
 }
 
 bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(request); }

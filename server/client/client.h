@@ -214,6 +214,12 @@ class DecodeStream {
   // relative to that start, and the server's GPU reads q/kv and writes out/lse there.
   // Same rules as OpenRegion; the daemon must serve on the CUDA backend.
   absl::Status OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes);
+  // The same with a doorbell ring of ring_entries entries (DecodeRequest.region_ring_entries):
+  // the server keeps the ring in host memory of its own, mapped here as the returned
+  // region (ring::RingBytes(ring_entries) bytes) for client::Ring; every offset of the
+  // ring's steps names the device region.
+  absl::StatusOr<std::unique_ptr<SharedRegion>> OpenCudaRegionWithRing(absl::string_view ipc_handle, uint64_t offset,
+                                                                       uint64_t bytes, uint32_t ring_entries);
   bool Write(const v1::DecodeRequest& request);
   bool Read(v1::DecodeResponse* response);
   bool WritesDone();
@@ -223,6 +229,8 @@ class DecodeStream {
   void Cancel() { ctx_.TryCancel(); }
 
  private:
+  // Writes a message that opens a region and reads the server's answer to it.
+  absl::StatusOr<v1::SharedRegion> AskForRegion(const v1::DecodeRequest& req, uint64_t bytes);
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw_;
 };

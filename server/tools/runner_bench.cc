@@ -48,7 +48,8 @@ ABSL_FLAG(bool, shm, false,
           "out/lse read from there, and messages carry offsets only");
 ABSL_FLAG(bool, ring, false,
           "with the shared region: steps go through the region's doorbell ring (DecodeRequest.region_ring_entries) "
-          "and results come back on its completion queue, with no gRPC message per layer");
+          "and results come back on its completion queue, with no gRPC message per layer; with --cuda_region "
+          "the ring is a host file of its own beside the device region");
 ABSL_FLAG(int, ring_spin_us, 1000, "--ring: how long the runner spins on its completion queue before sleeping");
 ABSL_FLAG(bool, cuda_region, false,
           "same-host data plane on the GPU: each runner's q/kv/out/lse live in a device allocation of its "
@@ -199,7 +200,7 @@ int Main() {
   const int check_every = absl::GetFlag(FLAGS_check_every);
   const bool trace = absl::GetFlag(FLAGS_trace);
   const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
-  const bool use_ring = absl::GetFlag(FLAGS_ring) && !cuda_region;
+  const bool use_ring = absl::GetFlag(FLAGS_ring);
   const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region || use_ring;  // offsets, not bytes, either way
   if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
@@ -209,7 +210,7 @@ int Main() {
               co.target.c_str(), info.backend().c_str(), info.num_heads_q(), info.num_heads_kv(),
               dtype == kernels::DType::kBF16 ? "bf16" : "fp16",
               info.kv_dtype().empty() ? "model dtype" : info.kv_dtype().c_str(), R, B, L, s_q, prefix, tokens,
-              std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B), cuda_region ? ", CUDA region" : use_ring ? ", shared region with doorbell ring" : shm ? ", shared region" : "");
+              std::clamp(absl::GetFlag(FLAGS_messages_per_layer), 1, B), cuda_region ? (use_ring ? ", CUDA region with doorbell ring" : ", CUDA region") : use_ring ? ", shared region with doorbell ring" : shm ? ", shared region" : "");
   std::fflush(stdout);
 
   client::Reference ref(info, 4);
@@ -281,7 +282,8 @@ int Main() {
       // --ring: the ring takes the region's first bytes; slots follow.
       uint32_t ring_entries = 1;
       while (ring_entries < static_cast<uint32_t>(B)) ring_entries *= 2;
-      const uint64_t ring_at = use_ring ? ring::RingBytes(ring_entries) : 0;
+      // (A CUDA region's ring is a host file of its own.)
+      const uint64_t ring_at = use_ring && !cuda_region ? ring::RingBytes(ring_entries) : 0;
       const uint64_t q_at = ring_at, kv_at = q_at + shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
                      lse_at = out_at + shape.OutBytes(s_q),
                      slot = (lse_at - ring_at + shape.LseBytes(s_q) + 255) / 256 * 256;
@@ -319,7 +321,16 @@ int Main() {
         absl::Status opened = made.status();
         if (opened.ok()) {
           device = std::move(*made);
-          opened = stream->OpenCudaRegion(device->IpcHandle(), 0, dev.bytes);
+          if (use_ring) {
+            auto ring_file = stream->OpenCudaRegionWithRing(device->IpcHandle(), 0, dev.bytes, ring_entries);
+            opened = ring_file.status();
+            if (opened.ok()) {
+              region = std::move(*ring_file);
+              doorbell = std::make_unique<client::Ring>(region.get(), ring_entries, absl::GetFlag(FLAGS_ring_spin_us));
+            }
+          } else {
+            opened = stream->OpenCudaRegion(device->IpcHandle(), 0, dev.bytes);
+          }
         }
         if (!opened.ok()) {
           st.first_error = opened.ToString();

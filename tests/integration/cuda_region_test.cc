@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/client/client.h"
+#include "server/ring.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
 
@@ -215,6 +216,107 @@ TEST(CudaRegionTest, RefusedHandlesAndRangesNameTheFieldAndTheDaemonServesOn) {
   tracker.Refused(resp.results(0).request_id());
   DecodeThroughRegion(stream.get(), &tracker, seqs, sh, buf.data(), 2);
   EXPECT_TRUE(Close(stream.get()).ok());
+}
+
+}  // namespace
+}  // namespace latentd::testing
+
+namespace latentd::testing {
+namespace {
+
+// A doorbell ring beside a CUDA region (DecodeRequest.region_ring_entries with
+// open_cuda_region): the ring is a host file of its own, the tensors stay in device
+// memory from offset 0 on; results are checked in place, a step past the region fails on
+// its completion only, and a second stream gets a ring again after the first ended.
+TEST(CudaRegionTest, DoorbellRingBesideDeviceMemoryMatchesTheCpuImplementation) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  std::vector<std::string> flags = CudaFlags();
+  flags.push_back("--max_rings=1");
+  Daemon daemon(flags);
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  std::vector<std::string> seqs;
+  for (int i = 0; i < 5; ++i) {
+    auto s = tracker.NewSequence({30 + 41 * i, 64 * i + 1});
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
+  }
+  constexpr int kSteps = 12;
+  constexpr uint32_t kEntries = 16;
+  DeviceBuffer buf(lay.slot * kSteps);
+  ASSERT_NE(buf.data(), nullptr);
+  const std::string handle = buf.Handle();
+  ASSERT_EQ(handle.size(), 64u);
+  for (int pass = 0; pass < 2; ++pass) {  // the second stream: the first one's ring was given back
+    auto stream = (*c)->OpenDecodeStream();
+    auto ring_file = stream->OpenCudaRegionWithRing(handle, 0, lay.slot * kSteps, kEntries);
+    ASSERT_TRUE(ring_file.ok()) << ring_file.status() << "\n" << daemon.Log();
+    ASSERT_EQ((*ring_file)->size(), ring::RingBytes(kEntries));
+    client::Ring ring(ring_file->get(), kEntries);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<v1::DecodeStep> steps(kSteps);
+      std::vector<client::Ring::Step> rs(kSteps);
+      std::map<uint64_t, int> slot_of;
+      // A step whose out runs past the region (the last on its sequence and layer).
+      const int bad = round == 1 ? kSteps - 1 : -1;
+      for (int i = 0; i < kSteps; ++i) {
+        steps[i] = tracker.Step(seqs[i % seqs.size()], (i / 6 + round) % 2, 1 + (i + round) % 2, i % 3 == 0);
+        const int s_q = static_cast<int>(steps[i].q().size() / sh.q_row_bytes);
+        char* slot = buf.data() + lay.slot * i;
+        ASSERT_EQ(cudaMemcpy(slot + lay.q, steps[i].q().data(), steps[i].q().size(), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(slot + lay.kv, steps[i].kv().data(), steps[i].kv().size(), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, sh.OutBytes(s_q) + (lay.lse - lay.out) + sh.LseBytes(s_q)),
+                  cudaSuccess);
+        client::Ring::Step& r = rs[i];
+        r.request_id = steps[i].request_id();
+        r.sequence_id = steps[i].sequence_id();
+        r.layer = steps[i].layer();
+        r.s_q = static_cast<uint32_t>(s_q);
+        r.causal = steps[i].causal();
+        r.trace = i == 0;
+        r.q_offset = lay.slot * i + lay.q;
+        r.kv_offset = lay.slot * i + lay.kv;
+        r.out_offset = i == bad ? lay.slot * kSteps - 2 : lay.slot * i + lay.out;
+        r.lse_offset = lay.slot * i + lay.lse;
+        slot_of[r.request_id] = i;
+      }
+      ASSERT_TRUE(ring.Submit(rs.data(), rs.size()).ok());
+      std::vector<client::Ring::Completion> done;
+      absl::Status w = ring.Wait(kSteps, &done, absl::Seconds(60));
+      ASSERT_TRUE(w.ok()) << w << "\n" << daemon.Log();
+      ASSERT_EQ(done.size(), static_cast<size_t>(kSteps));
+      for (const client::Ring::Completion& d : done) {
+        auto it = slot_of.find(d.request_id);
+        ASSERT_NE(it, slot_of.end());
+        const int i = it->second;
+        if (i == bad) {
+          EXPECT_EQ(d.code, static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+          EXPECT_NE(d.message.find("region.out_offset"), std::string::npos) << d.message;
+          tracker.Refused(d.request_id);
+          continue;
+        }
+        ASSERT_EQ(d.code, 0) << d.message;
+        EXPECT_EQ(d.has_timing, i == 0);
+        const int s_q = static_cast<int>(rs[i].s_q);
+        const char* slot = buf.data() + lay.slot * i;
+        v1::StepResult r;
+        r.set_request_id(d.request_id);
+        std::string out(sh.OutBytes(s_q), '\0'), lse(sh.LseBytes(s_q), '\0');
+        ASSERT_EQ(cudaMemcpy(out.data(), slot + lay.out, out.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(lse.data(), slot + lay.lse, lse.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        r.set_out(out);
+        r.set_lse(lse);
+        ASSERT_TRUE(tracker.Check(r).ok()) << "pass " << pass << " round " << round << ": " << tracker.Check(r);
+      }
+    }
+    EXPECT_TRUE(Close(stream.get()).ok());
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/client/client.h"
+#include "server/ring.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
 
@@ -260,18 +261,19 @@ TEST(RegionTest, RegionSizesAreBounded) {
 // A CUDA region (open_cuda_region) asked of this CPU daemon, and malformed ones: each
 // ends the stream with the field named, and the daemon keeps serving.
 grpc::Status OpenCudaRegionStatus(client::Client* c, const std::string& handle, uint64_t bytes,
-                                  bool also_host_region = false) {
+                                  bool also_host_region = false, uint32_t ring_entries = 0) {
   auto stream = c->OpenDecodeStream();
   v1::DecodeRequest req;
   req.mutable_open_cuda_region()->set_ipc_handle(handle);
   req.mutable_open_cuda_region()->set_bytes(bytes);
   if (also_host_region) req.set_open_region_bytes(4096);
+  req.set_region_ring_entries(ring_entries);
   stream->Write(req);
   return Close(stream.get());
 }
 
 TEST(RegionTest, CudaRegionsAreRefusedWithTheField) {
-  Daemon daemon({"--max_region_bytes=1048576"});
+  Daemon daemon({"--max_region_bytes=1048576", "--max_rings=1"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
   ASSERT_TRUE(c.ok()) << c.status();
@@ -301,6 +303,22 @@ TEST(RegionTest, CudaRegionsAreRefusedWithTheField) {
     grpc::Status st = OpenCudaRegionStatus(c->get(), k.handle, k.bytes, k.both);
     EXPECT_EQ(st.error_code(), k.code) << k.names << ": " << st.error_message();
     EXPECT_NE(st.error_message().find(k.names), std::string::npos) << st.error_message();
+  }
+  // With a doorbell ring (its own host file beside the device region): refused the same
+  // way, a bad ring size first; each refusal gives the ring back (--max_rings=1).
+  for (int i = 0; i < 3; ++i) {
+    grpc::Status st = OpenCudaRegionStatus(c->get(), handle, 4096, false, 16);
+    EXPECT_EQ(st.error_code(), refused) << st.error_message();
+    EXPECT_NE(st.error_message().find(refused_names), std::string::npos) << st.error_message();
+    st = OpenCudaRegionStatus(c->get(), handle, 4096, false, 3);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("region_ring_entries: 3"), std::string::npos) << st.error_message();
+  }
+  {
+    auto ringed = (*c)->OpenDecodeStream();
+    auto r = ringed->OpenRegion(ring::RingBytes(16) + 4096, 16);
+    EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(Close(ringed.get()).ok());
   }
   // The client API says the same, and a byte stream of the same client still decodes.
   auto stream = (*c)->OpenDecodeStream();

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from . import health_pb2, health_pb2_grpc, latentd_pb2, latentd_pb2_grpc
-from .ring import DoorbellRing
+from .ring import DoorbellRing, ring_bytes
 
 HEAD_DIM_QK = 576
 HEAD_DIM_V = 512
@@ -324,13 +324,15 @@ class DecodeSession:
         self.ring = DoorbellRing(self.region, ring_entries) if ring_entries else None
         return self.region
 
-    def open_cuda_region(self, tensor):
+    def open_cuda_region(self, tensor, ring_entries=0):
         """Offers a CUDA tensor's memory (torch, on the server's GPU or one it reaches) as
         this stream's region, through CUDA IPC: the server's GPU then reads q/kv from it
         and writes out/lse into it, with no host copy anywhere. Steps' offsets
         (submit_region) are bytes from tensor.data_ptr(). Call before any submit and
         before results(); finish writing the tensor (e.g. torch.cuda.synchronize())
-        before submitting steps that read it. CUDA daemon only."""
+        before submitting steps that read it. CUDA daemon only. ring_entries > 0 also
+        opens a doorbell ring (self.ring) in a host file of its own: its steps' offsets
+        name the tensor's bytes from 0 on."""
         storage = tensor.untyped_storage()
         # (device, handle, storage bytes, storage offset in the allocation, ...)
         shared = storage._share_cuda_()
@@ -341,7 +343,7 @@ class DecodeSession:
         start = alloc_offset + (tensor.data_ptr() - storage.data_ptr())
         nbytes = tensor.numel() * tensor.element_size()
         region = latentd_pb2.CudaRegion(ipc_handle=handle, offset=start, bytes=nbytes)
-        self._requests.put(latentd_pb2.DecodeRequest(open_cuda_region=region))
+        self._requests.put(latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries))
         try:
             resp = next(self._responses)
         except StopIteration:
@@ -351,6 +353,11 @@ class DecodeSession:
         if resp.region.bytes != nbytes:
             raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
         self.region = tensor
+        if ring_entries:
+            if resp.region.ring_bytes != ring_bytes(ring_entries) or not resp.region.path:
+                raise LatentdError(grpc.StatusCode.INTERNAL, "the region's answer holds no ring of the size asked for")
+            self.ring_file = SharedRegion(resp.region.path, resp.region.ring_bytes)
+            self.ring = DoorbellRing(self.ring_file, ring_entries)
         return tensor
 
     def submit_region(self, steps):
