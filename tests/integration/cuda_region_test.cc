@@ -81,8 +81,8 @@ void DecodeThroughRegion(client::DecodeStream* stream, Tracker* tracker, const s
       char* slot = base + lay.slot * i;
       ASSERT_EQ(cudaMemcpy(slot + lay.q, s->q().data(), s->q().size(), cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(slot + lay.kv, s->kv().data(), s->kv().size(), cudaMemcpyHostToDevice), cudaSuccess);
-      // NaN where the results go: a step that wrote nothing would fail the check.
-      ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, sh.OutBytes(s_q) + (lay.lse - lay.out) + sh.LseBytes(s_q)),
+      // NaN where the results go (out, then lse): a step that wrote nothing would fail the check.
+      ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, (lay.lse - lay.out) + sh.LseBytes(s_q)),
                 cudaSuccess);
       s->clear_q();
       s->clear_kv();
@@ -271,7 +271,7 @@ TEST(CudaRegionTest, DoorbellRingBesideDeviceMemoryMatchesTheCpuImplementation) 
                   cudaSuccess);
         ASSERT_EQ(cudaMemcpy(slot + lay.kv, steps[i].kv().data(), steps[i].kv().size(), cudaMemcpyHostToDevice),
                   cudaSuccess);
-        ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, sh.OutBytes(s_q) + (lay.lse - lay.out) + sh.LseBytes(s_q)),
+        ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, (lay.lse - lay.out) + sh.LseBytes(s_q)),
                   cudaSuccess);
         client::Ring::Step& r = rs[i];
         r.request_id = steps[i].request_id();
