@@ -51,6 +51,10 @@ ABSL_FLAG(int, connections, 8,
           "TCP connections the streams are spread over (each a client of its own, as separate "
           "clients would be)");
 ABSL_FLAG(bool, release, true, "release the sequences at the end");
+ABSL_FLAG(std::string, client_api, "callback",
+          "callback: each stream is a gRPC callback reactor that writes its next step from the read "
+          "callback (no load-generator thread in between); sync: a writer and a reader thread per stream "
+          "(the blocking API, which costs the load generator more CPU than the daemon)");
 ABSL_FLAG(int, trace_every, 0,
           "ask the server for StepTiming on every Nth step of each stream and print where the round trip "
           "goes (0: never)");
@@ -155,6 +159,170 @@ double Percentile(std::vector<float>& v, double p) {
   std::nth_element(v.begin(), v.begin() + k, v.end());
   return v[k];
 }
+
+// One stream's steps: its sequences in turn, layer after layer, random inputs from the
+// pools; records each step as pending (and in the reference, which checks need).
+struct StepMaker {
+  int t = 0;  // the stream's index
+  std::vector<int> mine;  // its sequences
+  std::vector<std::vector<int64_t>> length;
+  std::mt19937_64 rng;
+  std::uniform_real_distribution<double> coin{0, 1};
+  uint64_t counter = 0;
+  size_t next = 0;
+  int layers = 1, s_q = 1, trace_every = 0;
+  double check_fraction = 0;
+  const std::vector<std::string>* ids = nullptr;
+  const std::vector<std::string>* q_pool = nullptr;
+  const std::vector<std::string>* kv_pool = nullptr;
+  client::Reference* ref = nullptr;
+
+  // Fills `step` with the next step and returns its pending record.
+  Pending Make(v1::DecodeStep* step, uint64_t* id) {
+    const size_t k = next % mine.size();
+    const int layer = static_cast<int>((next / mine.size()) % layers);
+    ++next;
+    const int pool_index = static_cast<int>(rng() % q_pool->size());
+    const bool check = ref != nullptr && coin(rng) < check_fraction;
+    *id = (uint64_t(t) << 40) | counter++;
+    step->set_request_id(*id);
+    step->set_sequence_id((*ids)[mine[k]]);
+    step->set_layer(layer);
+    step->set_q((*q_pool)[pool_index]);
+    step->set_kv((*kv_pool)[pool_index]);
+    if (ref != nullptr) ref->Append((*ids)[mine[k]], layer, (*kv_pool)[pool_index]);
+    length[k][layer] += s_q;
+    const bool trace = trace_every > 0 && counter % trace_every == 0;
+    step->set_trace(trace);
+    return Pending{Clock::now(), trace ? absl::ToUnixMicros(absl::Now()) : 0, mine[k], layer, length[k][layer],
+                   check ? pool_index : -1};
+  }
+};
+
+// A stream's results: latency, trace and checks, as both client APIs record them.
+struct StreamResults {
+  std::vector<float> lat;
+  latentd::tools::RoundTripBreakdown traced;
+
+  void Add(const v1::StepResult& r, const Pending& p, Clock::time_point now, Totals* totals, Checker* checker) {
+    if (r.code() != 0) {
+      ++totals->failed;
+      std::lock_guard<std::mutex> l(totals->mu);
+      ++totals->failures_by_code[r.code()];
+      if (totals->first_failure.empty()) totals->first_failure = r.message();
+      return;
+    }
+    ++totals->ok;
+    lat.push_back(std::chrono::duration<float, std::micro>(now - p.sent).count());
+    if (r.has_timing()) traced.Add(p.sent_unix_us, r.timing(), absl::ToUnixMicros(absl::Now()));
+    if (p.q_index >= 0) checker->Push({p.seq, p.layer, p.q_index, p.end, r});
+  }
+  void MergeInto(Totals* totals) {
+    std::lock_guard<std::mutex> l(totals->mu);
+    totals->latency_us.insert(totals->latency_us.end(), lat.begin(), lat.end());
+    totals->breakdown.Merge(traced);
+  }
+};
+
+// One Decode stream on gRPC's callback API: a result's read callback writes the stream's
+// next step itself, so no thread of the load generator wakes between a result and the
+// next step. At most one write is outstanding; up to `window` steps are in flight.
+class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+ public:
+  CallbackStream(Client* conn, StepMaker maker, int window, bool causal, const std::atomic<bool>* stop,
+                 Totals* totals, Checker* checker)
+      : maker_(std::move(maker)), window_(window), stop_(stop), totals_(totals), checker_(checker) {
+    req_.add_steps()->set_causal(causal);
+    conn->Prepare(&ctx_);
+    conn->stub()->async()->Decode(&ctx_, this);
+    StartRead(&resp_);
+    TryWrite();
+    StartCall();
+  }
+  // Blocks until the stream has ended; merges its figures into the totals.
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    done_cv_.wait(l, [&] { return done_; });
+    if (!status_.ok()) {
+      std::lock_guard<std::mutex> t(totals_->mu);
+      if (totals_->first_failure.empty()) totals_->first_failure = "stream: " + status_.error_message();
+      totals_->failed += pending_.size();
+    }
+    results_.MergeInto(totals_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream is over; OnDone follows
+    const Clock::time_point now = Clock::now();
+    for (const v1::StepResult& r : resp_.results()) {
+      Pending p;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        auto it = pending_.find(r.request_id());
+        if (it == pending_.end()) continue;
+        p = it->second;
+        pending_.erase(it);
+      }
+      results_.Add(r, p, now, totals_, checker_);
+    }
+    TryWrite();
+    StartRead(&resp_);
+  }
+  void OnWriteDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      writing_ = false;
+      if (!ok) broken_ = true;  // the stream failed: reads end it
+    }
+    TryWrite();
+  }
+  void OnDone(const grpc::Status& status) override {
+    std::lock_guard<std::mutex> l(mu_);
+    status_ = status;
+    done_ = true;
+    done_cv_.notify_all();
+  }
+
+ private:
+  // Writes the next step while the window has room, or half-closes once stopped and
+  // every step is answered. Called from the constructor and the callbacks.
+  void TryWrite() {
+    enum { kNothing, kWrite, kWritesDone } act = kNothing;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (writing_ || closed_ || broken_) return;
+      if (stop_->load(std::memory_order_relaxed)) {
+        if (pending_.empty()) {
+          closed_ = true;
+          act = kWritesDone;
+        }
+      } else if (pending_.size() < static_cast<size_t>(window_)) {
+        uint64_t id = 0;
+        Pending p = maker_.Make(req_.mutable_steps(0), &id);
+        pending_[id] = p;
+        writing_ = true;
+        act = kWrite;
+      }
+    }
+    if (act == kWrite) StartWrite(&req_);
+    if (act == kWritesDone) StartWritesDone();
+  }
+
+  grpc::ClientContext ctx_;
+  StepMaker maker_;  // under mu_
+  const int window_;
+  const std::atomic<bool>* const stop_;
+  Totals* const totals_;
+  Checker* const checker_;
+  v1::DecodeRequest req_;    // the write in flight (one at a time)
+  v1::DecodeResponse resp_;  // the read in flight
+  StreamResults results_;    // read callbacks only (one at a time)
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  std::unordered_map<uint64_t, Pending> pending_;
+  bool writing_ = false, closed_ = false, broken_ = false, done_ = false;
+  grpc::Status status_;
+};
 
 int Main() {
   client::ClientOptions co;
@@ -285,19 +453,37 @@ int Main() {
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> sent_total{0};
   const absl::Time start = absl::Now();
+  const bool callback_api = absl::GetFlag(FLAGS_client_api) != "sync";
+  auto maker_for = [&](int t) {
+    StepMaker m;
+    m.t = t;
+    for (int i = t; i < n_seq; i += n_streams) m.mine.push_back(i);
+    m.length.assign(m.mine.size(), std::vector<int64_t>(layers, prefix));
+    m.rng.seed(absl::GetFlag(FLAGS_seed) * 104729 + t);
+    m.layers = layers;
+    m.s_q = s_q;
+    m.trace_every = trace_every;
+    m.check_fraction = check_fraction;
+    m.ids = &ids;
+    m.q_pool = &q_pool;
+    m.kv_pool = &kv_pool;
+    m.ref = ref.get();
+    return m;
+  };
+  std::vector<std::unique_ptr<CallbackStream>> reactors;
   std::vector<std::thread> workers;
   for (int t = 0; t < n_streams; ++t) {
+    if (callback_api) {
+      reactors.push_back(std::make_unique<CallbackStream>(conns[t % conns.size()], maker_for(t), window, causal,
+                                                          &stop, &totals, checker.get()));
+      continue;
+    }
     workers.emplace_back([&, t] {
-      std::vector<int> mine;
-      for (int i = t; i < n_seq; i += n_streams) mine.push_back(i);
-      std::vector<std::vector<int64_t>> length(mine.size(), std::vector<int64_t>(layers, prefix));
-      std::mt19937_64 srng(absl::GetFlag(FLAGS_seed) * 104729 + t);
-      std::uniform_real_distribution<double> coin(0, 1);
+      StepMaker maker = maker_for(t);
       std::mutex mu;
       std::condition_variable cv;
       std::unordered_map<uint64_t, Pending> pending;
-      std::vector<float> lat;
-      latentd::tools::RoundTripBreakdown traced;
+      StreamResults results;
       auto stream = conns[t % conns.size()]->OpenDecodeStream();
       std::thread reader([&] {
         v1::DecodeResponse resp;
@@ -313,48 +499,21 @@ int Main() {
               pending.erase(it);
             }
             cv.notify_one();
-            if (r.code() != 0) {
-              ++totals.failed;
-              std::lock_guard<std::mutex> l(totals.mu);
-              ++totals.failures_by_code[r.code()];
-              if (totals.first_failure.empty()) totals.first_failure = r.message();
-              continue;
-            }
-            ++totals.ok;
-            lat.push_back(std::chrono::duration<float, std::micro>(now - p.sent).count());
-            if (r.has_timing()) traced.Add(p.sent_unix_us, r.timing(), absl::ToUnixMicros(absl::Now()));
-            if (p.q_index >= 0) checker->Push({p.seq, p.layer, p.q_index, p.end, r});
+            results.Add(r, p, now, &totals, checker.get());
           }
         }
       });
       v1::DecodeRequest req;
       v1::DecodeStep* step = req.add_steps();
       step->set_causal(causal);
-      uint64_t counter = 0;
-      size_t next = 0;
       while (!stop.load(std::memory_order_relaxed)) {
         {
           std::unique_lock<std::mutex> l(mu);
           cv.wait(l, [&] { return pending.size() < static_cast<size_t>(window) || stop.load(); });
           if (stop) break;
         }
-        const size_t k = next % mine.size();
-        const int layer = static_cast<int>((next / mine.size()) % layers);
-        ++next;
-        const int pool_index = static_cast<int>(srng() % kPool);
-        const bool check = ref && coin(srng) < check_fraction;
-        const uint64_t id = (uint64_t(t) << 40) | counter++;
-        step->set_request_id(id);
-        step->set_sequence_id(ids[mine[k]]);
-        step->set_layer(layer);
-        step->set_q(q_pool[pool_index]);
-        step->set_kv(kv_pool[pool_index]);
-        if (ref) ref->Append(ids[mine[k]], layer, kv_pool[pool_index]);
-        length[k][layer] += s_q;
-        const bool trace = trace_every > 0 && counter % trace_every == 0;
-        step->set_trace(trace);
-        Pending p{Clock::now(), trace ? absl::ToUnixMicros(absl::Now()) : 0, mine[k], layer, length[k][layer],
-                  check ? pool_index : -1};
+        uint64_t id = 0;
+        Pending p = maker.Make(step, &id);
         {
           std::lock_guard<std::mutex> l(mu);
           pending[id] = p;
@@ -370,9 +529,7 @@ int Main() {
         if (totals.first_failure.empty()) totals.first_failure = "stream: " + st.error_message();
         totals.failed += pending.size();
       }
-      std::lock_guard<std::mutex> l(totals.mu);
-      totals.latency_us.insert(totals.latency_us.end(), lat.begin(), lat.end());
-      totals.breakdown.Merge(traced);
+      results.MergeInto(&totals);
     });
   }
 
@@ -395,6 +552,7 @@ int Main() {
   const uint64_t ok_at_stop = totals.ok.load();
   stop = true;
   for (auto& w : workers) w.join();
+  for (auto& r : reactors) r->Wait();
   checker.reset();  // finishes the queued checks
   if (tty) std::fprintf(stderr, "\n");
 
@@ -405,8 +563,9 @@ int Main() {
   const double p50 = Percentile(lat, 0.50) / 1000, p90 = Percentile(lat, 0.90) / 1000,
                p99 = Percentile(lat, 0.99) / 1000;
   const double max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end()) / 1000;
-  std::printf("loadgen: %d streams over %zu connections, %d sequences x %d-token prefixes, %d layer(s), s_q %d%s, window %d, %.1f s\n",
-              n_streams, conns.size(), n_seq, prefix, layers, s_q, s_q > 1 && causal ? " causal" : "", window, elapsed);
+  std::printf("loadgen: %d streams over %zu connections (%s API), %d sequences x %d-token prefixes, %d layer(s), s_q %d%s, window %d, %.1f s\n",
+              n_streams, conns.size(), callback_api ? "callback" : "sync", n_seq, prefix, layers, s_q,
+              s_q > 1 && causal ? " causal" : "", window, elapsed);
   std::printf("steps: %lu ok, %lu failed; %.1f steps/s\n", static_cast<unsigned long>(totals.ok.load()),
               static_cast<unsigned long>(totals.failed.load()), ok_at_stop / elapsed);
   std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", p50, p90, p99, max);

@@ -25,6 +25,14 @@ echo "$out"
 grep -q "0 failed" <<<"$out"
 grep -qE "checked [1-9][0-9]* steps .* 0 mismatched" <<<"$out"
 grep -qE "latency ms: p50 [0-9.]+  p90 [0-9.]+  p99" <<<"$out"
+grep -q "(callback API)" <<<"$out"
+# The blocking client API, one step in flight per stream.
+out=$("$loadgen" --target="127.0.0.1:$(cat "$dir/port")" --sequences=6 --streams=3 --prefix_len=200 \
+  --layers=2 --window=1 --duration_s=2 --check_fraction=0.5 --check_threads=1 --client_api=sync)
+echo "$out"
+grep -q "(sync API)" <<<"$out"
+grep -q "0 failed" <<<"$out"
+grep -qE "checked [1-9][0-9]* steps .* 0 mismatched" <<<"$out"
 # The daemon drains and exits 0 on SIGTERM.
 kill -TERM $pid
 wait $pid
