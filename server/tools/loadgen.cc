@@ -254,16 +254,17 @@ class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v
   void OnReadDone(bool ok) override {
     if (!ok) return;  // the stream is over; OnDone follows
     const Clock::time_point now = Clock::now();
-    for (const v1::StepResult& r : resp_.results()) {
-      Pending p;
-      {
-        std::lock_guard<std::mutex> l(mu_);
+    {
+      // One lock pass for the response (results_ too: the waiting thread reads it, and
+      // gRPC's hand-offs between callbacks are invisible to TSan).
+      std::lock_guard<std::mutex> l(mu_);
+      for (const v1::StepResult& r : resp_.results()) {
         auto it = pending_.find(r.request_id());
         if (it == pending_.end()) continue;
-        p = it->second;
+        const Pending p = it->second;
         pending_.erase(it);
+        results_.Add(r, p, now, totals_, checker_);
       }
-      results_.Add(r, p, now, totals_, checker_);
     }
     TryWrite();
     StartRead(&resp_);
@@ -316,7 +317,7 @@ class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v
   Checker* const checker_;
   v1::DecodeRequest req_;    // the write in flight (one at a time)
   v1::DecodeResponse resp_;  // the read in flight
-  StreamResults results_;    // read callbacks only (one at a time)
+  StreamResults results_;    // under mu_
   std::mutex mu_;
   std::condition_variable done_cv_;
   std::unordered_map<uint64_t, Pending> pending_;
