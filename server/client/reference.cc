@@ -41,11 +41,26 @@ Reference::Reference(const v1::ServerInfo& info, int cpu_threads)
       num_layers_(info.num_layers()),
       decoder_(std::make_unique<kernels::CpuMlaDecoder>(cpu_threads)) {}
 
-void Reference::Append(const std::string& sequence_id, int layer, absl::string_view rows) {
+std::shared_ptr<Reference::Rows> Reference::Find(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> l(rows_mu_);
-  auto& layers = rows_[sequence_id];
-  layers.resize(num_layers_);
-  auto& v = layers.at(layer);
+  auto it = rows_.find(sequence_id);
+  return it == rows_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Reference::Rows> Reference::FindOrAdd(const std::string& sequence_id) {
+  std::lock_guard<std::mutex> l(rows_mu_);
+  std::shared_ptr<Rows>& r = rows_[sequence_id];
+  if (r == nullptr) {
+    r = std::make_shared<Rows>();
+    r->layers.resize(num_layers_);
+  }
+  return r;
+}
+
+void Reference::Append(const std::string& sequence_id, int layer, absl::string_view rows) {
+  std::shared_ptr<Rows> seq = FindOrAdd(sequence_id);
+  std::lock_guard<std::mutex> l(seq->mu);
+  auto& v = seq->layers.at(layer);
   if (rows.empty()) return;  // memcpy from a null data() is undefined even for 0 bytes
   const size_t old = v.size();
   v.resize(old + rows.size() / 2);
@@ -61,9 +76,13 @@ void Reference::Append(const std::string& sequence_id, int layer, absl::string_v
 }
 
 void Reference::Fork(const std::string& from, const std::string& to) {
+  auto copy = std::make_shared<Rows>();
+  if (std::shared_ptr<Rows> src = Find(from)) {
+    std::lock_guard<std::mutex> l(src->mu);
+    copy->layers = src->layers;
+  }
+  copy->layers.resize(num_layers_);
   std::lock_guard<std::mutex> l(rows_mu_);
-  auto copy = rows_[from];
-  copy.resize(num_layers_);
   rows_[to] = std::move(copy);
 }
 
@@ -73,18 +92,20 @@ void Reference::Erase(const std::string& sequence_id) {
 }
 
 void Reference::Truncate(const std::string& sequence_id, int layer, int64_t length) {
-  std::lock_guard<std::mutex> l(rows_mu_);
-  auto it = rows_.find(sequence_id);
-  if (it == rows_.end() || layer < 0 || layer >= static_cast<int>(it->second.size())) return;
-  auto& v = it->second[layer];
+  std::shared_ptr<Rows> seq = Find(sequence_id);
+  if (seq == nullptr) return;
+  std::lock_guard<std::mutex> l(seq->mu);
+  if (layer < 0 || layer >= static_cast<int>(seq->layers.size())) return;
+  auto& v = seq->layers[layer];
   v.resize(std::min(v.size(), static_cast<size_t>(length * h_kv_ * kernels::kHeadDimQK)));
 }
 
 int64_t Reference::Length(const std::string& sequence_id, int layer) const {
-  std::lock_guard<std::mutex> l(rows_mu_);
-  auto it = rows_.find(sequence_id);
-  if (it == rows_.end() || layer >= static_cast<int>(it->second.size())) return 0;
-  return static_cast<int64_t>(it->second[layer].size()) / (int64_t{h_kv_} * kernels::kHeadDimQK);
+  std::shared_ptr<Rows> seq = Find(sequence_id);
+  if (seq == nullptr) return 0;
+  std::lock_guard<std::mutex> l(seq->mu);
+  if (layer < 0 || layer >= static_cast<int>(seq->layers.size())) return 0;
+  return static_cast<int64_t>(seq->layers[layer].size()) / (int64_t{h_kv_} * kernels::kHeadDimQK);
 }
 
 absl::Status Reference::Expected(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,
@@ -93,12 +114,15 @@ absl::Status Reference::Expected(const std::string& sequence_id, int layer, int6
   const int64_t pages = std::max<int64_t>(1, (end + kernels::kPageSize - 1) / kernels::kPageSize);
   std::vector<uint16_t> kv(static_cast<size_t>(pages * kernels::kPageSize * row), 0);
   {
-    std::lock_guard<std::mutex> l(rows_mu_);
-    auto it = rows_.find(sequence_id);
-    if (it == rows_.end() || layer < 0 || layer >= static_cast<int>(it->second.size())) {
+    std::shared_ptr<Rows> seq = Find(sequence_id);
+    if (seq == nullptr) {
       return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
     }
-    const auto& v = it->second[layer];
+    std::lock_guard<std::mutex> l(seq->mu);
+    if (layer < 0 || layer >= static_cast<int>(seq->layers.size())) {
+      return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
+    }
+    const auto& v = seq->layers[layer];
     if (static_cast<int64_t>(v.size()) < end * row) {
       return absl::OutOfRangeError(absl::StrCat("reference: ", sequence_id, " layer ", layer, " has ",
                                                 v.size() / row, " rows, step needs ", end));

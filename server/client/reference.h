@@ -59,8 +59,16 @@ class Reference {
   const kernels::KvDType kv_dtype_;
   const int h_q_, h_kv_;
   const float scale_;
-  mutable std::mutex rows_mu_;
-  std::map<std::string, std::vector<std::vector<uint16_t>>> rows_;  // per sequence, per layer
+  // One sequence's mirrored rows, per layer, under a lock of its own: a check copying
+  // one sequence's rows holds up no other sequence's appends.
+  struct Rows {
+    std::mutex mu;
+    std::vector<std::vector<uint16_t>> layers;
+  };
+  std::shared_ptr<Rows> Find(const std::string& sequence_id) const;  // null when unknown
+  std::shared_ptr<Rows> FindOrAdd(const std::string& sequence_id);
+  mutable std::mutex rows_mu_;  // the map only
+  std::map<std::string, std::shared_ptr<Rows>> rows_;
   const int num_layers_;
   std::mutex decoder_mu_;
   std::unique_ptr<kernels::CpuMlaDecoder> decoder_;
