@@ -28,9 +28,20 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 // 16-byte global -> shared copy, bypassing L1 (KV is streamed once). src_bytes 0 fills
 // the destination with zeros without reading src: keys past the end never touch memory
 // (unowned cache rows hold NaN).
+// LATENTD_CP_ASYNC_L2_PREFETCH (0, 128 or 256): the L2 prefetch size the copies ask for
+// on a miss (docs/kernel-tuning.md, round 17).
+#ifndef LATENTD_CP_ASYNC_L2_PREFETCH  // overridable only to build tuning variants
+#define LATENTD_CP_ASYNC_L2_PREFETCH 0
+#endif
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
+#if LATENTD_CP_ASYNC_L2_PREFETCH == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+#elif LATENTD_CP_ASYNC_L2_PREFETCH == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+#endif
 }
 // Asks L2 for the 128-byte line holding p; nothing lands in shared memory or registers.
 __device__ __forceinline__ void PrefetchL2(const void* p) {
