@@ -141,8 +141,8 @@ absl::StatusOr<std::unique_ptr<KvStorage>> MakeCudaKvStorage(const KvCacheConfig
         absl::StrCat("kv cache: cannot allocate ", bytes, " bytes on device ", device,
                      " for ", config.num_pages, " pages: ", cudaGetErrorString(err)));
   }
-  // Zeroed so unwritten rows read back deterministically.
-  cudaError_t err = cudaMemsetAsync(data, 0, bytes, stream);
+  // Zeroed so unwritten rows read back deterministically (or poisoned: PoolFillByte).
+  cudaError_t err = cudaMemsetAsync(data, PoolFillByte(), bytes, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) {
     cudaFree(data);

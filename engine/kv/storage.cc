@@ -107,6 +107,11 @@ class HostKvStorage final : public KvStorage {
 
 }  // namespace
 
+int PoolFillByte() {
+  const char* poison = std::getenv("LATENTD_KV_POISON");
+  return poison != nullptr && std::strcmp(poison, "1") == 0 ? 0xff : 0;
+}
+
 absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig& config) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
   const int64_t bytes = config.total_bytes();
@@ -117,7 +122,7 @@ absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig
         absl::StrCat("kv cache: cannot allocate ", bytes, " bytes of host memory for ",
                      config.num_pages, " pages"));
   }
-  std::memset(data, 0, rounded);
+  std::memset(data, PoolFillByte(), rounded);
   return std::unique_ptr<KvStorage>(new HostKvStorage(config, static_cast<char*>(data)));
 }
 

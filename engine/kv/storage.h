@@ -45,6 +45,12 @@ absl::Status CheckPagePair(const KvCacheConfig& config, int32_t src_page, int32_
 // n * row_bytes bytes of the fp8 format, one QuantizeKvRowFp8 per head row.
 void QuantizeRowsFp8(const KvCacheConfig& config, int n, const void* src, void* dst);
 
+// The byte a new pool is filled with: 0, or 0xff when the environment sets
+// LATENTD_KV_POISON=1 (NaN in bf16, fp16 and e4m3 and in the fp8 scales), so that a
+// decode reading a row nobody wrote returns NaN instead of a plausible number. A
+// testing aid (docs/testing.md); the default pool reads unwritten rows as zeros.
+int PoolFillByte();
+
 // Host memory, allocated and zeroed once (so the pool is committed up front rather than
 // failing on first touch). RESOURCE_EXHAUSTED when the allocation fails.
 absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig& config);

@@ -152,7 +152,10 @@ class Checker {
       std::lock_guard<std::mutex> l(mu_);
       if (!st.ok()) {
         ++mismatched_;
-        if (first_failure_.empty()) first_failure_ = c.id + ": " + st.ToString();
+        if (mismatched_ <= 4) {  // the first four, one per line
+          absl::StrAppend(&first_failure_, first_failure_.empty() ? "" : "\n  ", c.id, " layer ", c.layer,
+                          " length ", c.end, ": ", st.ToString());
+        }
       }
       busy_ = false;
       cv_.notify_all();
