@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -56,8 +57,20 @@ pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, con
   sigemptyset(&none);
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  // Every daemon of the integration tests starts on a poisoned KV pool (NaN in every row
+  // nobody wrote, docs/testing.md), unless the environment says otherwise: a result
+  // read from a stale row then fails the test's check instead of passing by luck.
+  std::vector<char*> env;
+  bool poison_set = false;
+  for (char** e = environ; *e != nullptr; ++e) {
+    env.push_back(*e);
+    poison_set = poison_set || std::strncmp(*e, "LATENTD_KV_POISON=", 18) == 0;
+  }
+  static char kPoison[] = "LATENTD_KV_POISON=1";
+  if (!poison_set) env.push_back(kPoison);
+  env.push_back(nullptr);
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, binary.c_str(), &actions, &attr, argv.data(), environ);
+  const int rc = posix_spawn(&pid, binary.c_str(), &actions, &attr, argv.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
   return rc == 0 ? pid : -1;

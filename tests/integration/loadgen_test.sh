@@ -12,7 +12,7 @@ start_daemon() {
   local log=$1
   shift
   rm -f "$dir/port"
-  "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 "$@" --listen=127.0.0.1:0 --port_file="$dir/port" \
+  LATENTD_KV_POISON=1 "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 "$@" --listen=127.0.0.1:0 --port_file="$dir/port" \
     > "$log" 2>&1 &
   pid=$!
   for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
