@@ -66,6 +66,18 @@ def main():
             ids += submit(steps[i:i + per_msg])
         return ids
 
+    def layer_steps(ring, q_at, kv_at, out_at, lse_at):
+        # A layer's ring entries over a tensor-major layout (all q, then kv, out, lse);
+        # each layer then sets only request_id and layer.
+        steps = ring.steps(B)
+        ring.set_sequence_ids(steps, seqs)
+        steps["s_q"] = 1
+        steps["q_offset"] = q_at + np.arange(B) * qb
+        steps["kv_offset"] = kv_at + np.arange(B) * kvb
+        steps["out_offset"] = out_at + np.arange(B) * ob
+        steps["lse_offset"] = lse_at + np.arange(B) * lb
+        return steps
+
     with c.open_session() as session:
         if a.cuda:
             import torch
@@ -87,13 +99,7 @@ def main():
                                              lse_offset=lse_at + b * lb) for b in range(B)]
             if a.ring:
                 ring = session.ring
-                ring_steps = ring.steps(B)
-                ring.set_sequence_ids(ring_steps, seqs)
-                ring_steps["s_q"] = 1
-                ring_steps["q_offset"] = q_at + np.arange(B) * qb
-                ring_steps["kv_offset"] = kv_at + np.arange(B) * kvb
-                ring_steps["out_offset"] = out_at + np.arange(B) * ob
-                ring_steps["lse_offset"] = lse_at + np.arange(B) * lb
+                ring_steps = layer_steps(ring, q_at, kv_at, out_at, lse_at)
                 next_id = 1
         elif a.ring:
             from latentd_client import ring_bytes
@@ -107,13 +113,7 @@ def main():
             q_all = region.array(q_at, (B, h_q, 576), "<u2")
             kv_all = region.array(kv_at, (B, h_kv, 576), "<u2")
             out_views = [region.array(out_at, (h_q, 512), "<u2")]
-            ring_steps = ring.steps(B)
-            ring.set_sequence_ids(ring_steps, seqs)
-            ring_steps["s_q"] = 1
-            ring_steps["q_offset"] = q_at + np.arange(B) * qb
-            ring_steps["kv_offset"] = kv_at + np.arange(B) * kvb
-            ring_steps["out_offset"] = out_at + np.arange(B) * ob
-            ring_steps["lse_offset"] = lse_at + np.arange(B) * lb
+            ring_steps = layer_steps(ring, q_at, kv_at, out_at, lse_at)
             next_id = 1
         elif a.shm:
             region = session.open_region(slot * B)

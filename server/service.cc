@@ -76,6 +76,28 @@ grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+// A sealed memory file of `bytes` bytes (it can neither shrink, which would make the
+// server's reads fault, nor grow), mapped read-write here; a client on this host opens
+// it through /proc/<pid>/fd/<fd>. The errno on failure, with nothing left open.
+struct SharedFile {
+  int fd = -1;
+  char* map = nullptr;
+};
+absl::StatusOr<SharedFile> MakeSharedFile(const char* name, uint64_t bytes) {
+  const int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  void* map = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
+    map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (map == MAP_FAILED) {
+    const int err = errno;
+    if (fd >= 0) close(fd);
+    return absl::ResourceExhaustedError(strerror(err));
+  }
+  return SharedFile{fd, static_cast<char*>(map)};
+}
+
 bool IsValidSequenceId(absl::string_view id) {
   if (id.empty() || id.size() > 128) return false;
   for (char c : id) {
@@ -980,9 +1002,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                 st.message()));
   }
 
-  // Same-host data plane: a sealed memory file of `bytes` bytes (it can neither shrink,
-  // which would make the server's reads fault, nor grow), mapped here for the stream's
-  // life and opened by the client through /proc/<pid>/fd/<fd>. Read side only.
+  // Same-host data plane: a sealed memory file of `bytes` bytes (MakeSharedFile), mapped
+  // here for the stream's life. Read side only.
   grpc::Status OpenRegion(uint64_t bytes) {
     const ServiceOptions& o = service_->options();
     if (region_ != nullptr) {
@@ -1001,22 +1022,16 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                        "--max_region_total_bytes=",
                                        o.max_region_total_bytes, "; retry later or ask for less"));
     }
-    const int fd = memfd_create("latentd-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    void* map = MAP_FAILED;
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
-      map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    }
-    if (map == MAP_FAILED) {
-      const int err = errno;
-      if (fd >= 0) close(fd);
+    absl::StatusOr<SharedFile> file = MakeSharedFile("latentd-region", bytes);
+    if (!file.ok()) {
       service_->ReleaseRegion(static_cast<int64_t>(bytes));
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           absl::StrCat("DecodeRequest.open_region_bytes: cannot make a shared region of ", bytes,
-                                       " bytes: ", strerror(err)));
+                                       " bytes: ", file.status().message()));
     }
+    const int fd = file->fd;
     region_fd_ = fd;
-    region_ = static_cast<char*>(map);
+    region_ = file->map;
     region_bytes_ = bytes;
     // Pinned and mapped for the device where the backend can (CUDA): its steps then
     // travel between the region and the GPU with no staging copy. Costs about a touch
@@ -1095,7 +1110,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   // A CUDA region's doorbell ring: host memory the device region cannot hold, as a
-  // sealed memory file of its own (like OpenRegion's) charged to the regions' total.
+  // sealed memory file of its own (MakeSharedFile) charged to the regions' total.
   // The region is already set: the destructor frees both. Read side only.
   absl::StatusOr<std::string> OpenRingFile(uint64_t bytes) {
     const ServiceOptions& o = service_->options();
@@ -1104,23 +1119,16 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           "DecodeRequest.region_ring_entries: the ring's ", bytes, " bytes of host memory would put regions of all "
           "streams over --max_region_total_bytes=", o.max_region_total_bytes, "; retry later or ask for fewer entries"));
     }
-    const int fd = memfd_create("latentd-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    void* map = MAP_FAILED;
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
-      map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    }
-    if (map == MAP_FAILED) {
-      const int err = errno;
-      if (fd >= 0) close(fd);
+    absl::StatusOr<SharedFile> file = MakeSharedFile("latentd-ring", bytes);
+    if (!file.ok()) {
       service_->ReleaseRegion(static_cast<int64_t>(bytes));
       return absl::ResourceExhaustedError(absl::StrCat("DecodeRequest.region_ring_entries: cannot make a ring of ",
-                                                       bytes, " bytes: ", strerror(err)));
+                                                       bytes, " bytes: ", file.status().message()));
     }
-    ring_fd_ = fd;
-    ring_file_ = static_cast<char*>(map);
+    ring_fd_ = file->fd;
+    ring_file_ = file->map;
     ring_file_bytes_ = bytes;
-    return absl::StrCat("/proc/", getpid(), "/fd/", fd);
+    return absl::StrCat("/proc/", getpid(), "/fd/", ring_fd_);
   }
 
   // Doorbell ring (server/ring.h). Called on the read side right after the region was
