@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -141,9 +142,13 @@ absl::StatusOr<std::unique_ptr<KvStorage>> MakeCudaKvStorage(const KvCacheConfig
         absl::StrCat("kv cache: cannot allocate ", bytes, " bytes on device ", device,
                      " for ", config.num_pages, " pages: ", cudaGetErrorString(err)));
   }
-  // Zeroed so unwritten rows read back deterministically (or poisoned: PoolFillByte).
-  cudaError_t err = cudaMemsetAsync(data, PoolFillByte(), bytes, stream);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  // Zeroed so unwritten rows read back deterministically (or poisoned, or left unwritten
+  // for compute-sanitizer's initcheck: PoolFillByte).
+  cudaError_t err = cudaSuccess;
+  if (const std::optional<uint8_t> fill = PoolFillByte(); fill.has_value()) {
+    err = cudaMemsetAsync(data, *fill, bytes, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  }
   if (err != cudaSuccess) {
     cudaFree(data);
     return CudaError(err, "zero the pool");

@@ -107,9 +107,11 @@ class HostKvStorage final : public KvStorage {
 
 }  // namespace
 
-int PoolFillByte() {
+std::optional<uint8_t> PoolFillByte() {
   const char* poison = std::getenv("LATENTD_KV_POISON");
-  return poison != nullptr && std::strcmp(poison, "1") == 0 ? 0xff : 0;
+  if (poison != nullptr && std::strcmp(poison, "1") == 0) return 0xff;
+  if (poison != nullptr && std::strcmp(poison, "uninit") == 0) return std::nullopt;
+  return 0;
 }
 
 absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig& config) {
@@ -122,7 +124,7 @@ absl::StatusOr<std::unique_ptr<KvStorage>> MakeHostKvStorage(const KvCacheConfig
         absl::StrCat("kv cache: cannot allocate ", bytes, " bytes of host memory for ",
                      config.num_pages, " pages"));
   }
-  std::memset(data, PoolFillByte(), rounded);
+  std::memset(data, PoolFillByte().value_or(0), rounded);
   return std::unique_ptr<KvStorage>(new HostKvStorage(config, static_cast<char*>(data)));
 }
 

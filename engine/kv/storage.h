@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -47,9 +48,12 @@ void QuantizeRowsFp8(const KvCacheConfig& config, int n, const void* src, void* 
 
 // The byte a new pool is filled with: 0, or 0xff when the environment sets
 // LATENTD_KV_POISON=1 (NaN in bf16, fp16 and e4m3 and in the fp8 scales), so that a
-// decode reading a row nobody wrote returns NaN instead of a plausible number. A
-// testing aid (docs/testing.md); the default pool reads unwritten rows as zeros.
-int PoolFillByte();
+// decode reading a row nobody wrote returns NaN instead of a plausible number; nullopt
+// for LATENTD_KV_POISON=uninit, which leaves a device pool unwritten so that
+// compute-sanitizer's initcheck names any kernel reading a row nobody wrote (a host
+// pool is zeroed then). Testing aids (docs/testing.md); the default pool reads
+// unwritten rows as zeros.
+std::optional<uint8_t> PoolFillByte();
 
 // Host memory, allocated and zeroed once (so the pool is committed up front rather than
 // failing on first touch). RESOURCE_EXHAUSTED when the allocation fails.

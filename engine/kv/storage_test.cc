@@ -4,9 +4,12 @@
 #include "engine/kv/storage.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -42,6 +45,35 @@ TEST(HostKvStorage, StartsZeroedWithTheDocumentedLayout) {
   ASSERT_TRUE(st.ReadRows(1, 2, 10, 2, back.data()).ok());
   EXPECT_EQ(back, rows);
   EXPECT_TRUE(st.Synchronize().ok());
+}
+
+// LATENTD_KV_POISON: 1 fills a new pool with 0xff, uninit leaves a device pool unwritten
+// (a host pool zeroed), anything else zeroes it.
+TEST(HostKvStorage, PoisonFromTheEnvironment) {
+  KvCacheConfig c{1, 1, 2};
+  const char* before = std::getenv("LATENTD_KV_POISON");
+  const std::string saved = before != nullptr ? before : "";
+  ASSERT_EQ(setenv("LATENTD_KV_POISON", "1", 1), 0);
+  EXPECT_EQ(PoolFillByte(), std::optional<uint8_t>(0xff));
+  {
+    auto s = MakeHostKvStorage(c);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const auto* base = static_cast<const unsigned char*>((*s)->base());
+    for (int64_t i = 0; i < c.total_bytes(); ++i) ASSERT_EQ(base[i], 0xff) << i;
+  }
+  ASSERT_EQ(setenv("LATENTD_KV_POISON", "uninit", 1), 0);
+  EXPECT_EQ(PoolFillByte(), std::nullopt);
+  {
+    auto s = MakeHostKvStorage(c);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const char* base = static_cast<const char*>((*s)->base());
+    for (int64_t i = 0; i < c.total_bytes(); ++i) ASSERT_EQ(base[i], 0) << i;
+  }
+  ASSERT_EQ(setenv("LATENTD_KV_POISON", "0", 1), 0);
+  EXPECT_EQ(PoolFillByte(), std::optional<uint8_t>(0));
+  ASSERT_EQ(unsetenv("LATENTD_KV_POISON"), 0);
+  EXPECT_EQ(PoolFillByte(), std::optional<uint8_t>(0));
+  if (before != nullptr) setenv("LATENTD_KV_POISON", saved.c_str(), 1);
 }
 
 TEST(HostKvStorage, CopyPageCopiesEveryLayerAndNothingElse) {

@@ -1,6 +1,7 @@
 // Recomputes decode steps on the client with the exact CPU implementation; see reference.h.
 #include "server/client/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -198,6 +199,149 @@ absl::Status Reference::Compare(absl::string_view got_out, absl::string_view got
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequence_id, int layer, int64_t end,
+                                                         absl::string_view q, int s_q, bool causal,
+                                                         absl::string_view got_out) {
+  const int64_t row = int64_t{h_kv_} * kernels::kHeadDimQK;
+  Diagnosis r;
+  r.values = int64_t{s_q} * h_q_ * kernels::kHeadDimV;
+  if (end < 1 || s_q < 1 || q.size() != size_t(s_q) * h_q_ * kernels::kHeadDimQK * 2 ||
+      got_out.size() != size_t(r.values) * 2) {
+    return absl::InvalidArgumentError("diagnose: the result's or the query's size does not fit the step");
+  }
+  std::vector<float> keys(static_cast<size_t>(end * row));
+  {
+    std::shared_ptr<Rows> seq = Find(sequence_id);
+    if (seq == nullptr) return absl::NotFoundError(absl::StrCat("diagnose: no rows for ", sequence_id));
+    std::lock_guard<std::mutex> l(seq->mu);
+    if (layer < 0 || layer >= static_cast<int>(seq->layers.size()) ||
+        static_cast<int64_t>(seq->layers[layer].size()) < end * row) {
+      return absl::OutOfRangeError("diagnose: the reference holds fewer rows than the step needs");
+    }
+    const uint16_t* v = seq->layers[layer].data();
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = kernels::HalfToFloat(dtype_, v[i]);
+  }
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(got_out.data());
+  const uint16_t* qh = reinterpret_cast<const uint16_t*>(q.data());
+  const double rel = dtype_ == kernels::DType::kBF16 ? 2.0 / 128 : 2.0 / 1024;
+  constexpr int kV = kernels::kHeadDimV, kP = kernels::kPageSize;
+  const int64_t pages = (end + kP - 1) / kP;
+  // Largest |got - predicted| under each hypothesis: row k zeroed, row k left out, page p zeroed.
+  std::vector<double> zeroed(static_cast<size_t>(end), 0), missing(static_cast<size_t>(end), 0),
+      page_zeroed(static_cast<size_t>(pages), 0);
+  std::vector<double> w(static_cast<size_t>(end)), o(kV), got(kV), page_o(static_cast<size_t>(pages) * kV),
+      page_w(static_cast<size_t>(pages)), qf(kernels::kHeadDimQK);
+  std::vector<int> page_n(static_cast<size_t>(pages));
+  for (int t = 0; t < s_q; ++t) {
+    // Keys this token sees: all of them, or with causal masking those up to its own.
+    const int64_t lim = causal ? end - s_q + t + 1 : end;
+    for (int h = 0; h < h_q_; ++h) {
+      const float* kvh = keys.data() + int64_t(h / (h_q_ / h_kv_)) * kernels::kHeadDimQK;
+      for (int d = 0; d < kernels::kHeadDimQK; ++d)
+        qf[d] = kernels::HalfToFloat(dtype_, qh[(size_t(t) * h_q_ + h) * kernels::kHeadDimQK + d]);
+      double m = -INFINITY;
+      for (int64_t k = 0; k < lim; ++k) {
+        double dot = 0;
+        const float* kr = kvh + k * row;
+        for (int d = 0; d < kernels::kHeadDimQK; ++d) dot += qf[d] * kr[d];
+        w[k] = dot * scale_;
+        m = std::max(m, w[k]);
+      }
+      double sum = 0;
+      std::fill(o.begin(), o.end(), 0.0);
+      std::fill(page_w.begin(), page_w.end(), 0.0);
+      std::fill(page_o.begin(), page_o.end(), 0.0);
+      std::fill(page_n.begin(), page_n.end(), 0);
+      for (int64_t k = 0; k < lim; ++k) {
+        w[k] = std::exp(w[k] - m);
+        sum += w[k];
+        const float* vr = kvh + k * row;
+        double* po = page_o.data() + (k / kP) * kV;
+        for (int d = 0; d < kV; ++d) {
+          o[d] += w[k] * vr[d];
+          po[d] += w[k] * vr[d];
+        }
+        page_w[k / kP] += w[k];
+        ++page_n[k / kP];
+      }
+      const double z = std::exp(-m);  // the weight of a zero key (score 0)
+      bool head_off = false;
+      for (int d = 0; d < kV; ++d) {
+        got[d] = kernels::HalfToFloat(dtype_, g[(size_t(t) * h_q_ + h) * kV + d]);
+        if (!std::isfinite(got[d])) {
+          ++r.not_finite;
+          head_off = true;
+          continue;
+        }
+        const double want = o[d] / sum, err = std::abs(got[d] - want);
+        if (err > std::max(8e-4, rel * std::abs(want))) {
+          ++r.off;
+          head_off = true;
+        }
+        if (err > r.max_error) {
+          r.max_error = err;
+          r.worst_token = t, r.worst_head = h, r.worst_dim = d;
+        }
+      }
+      if (head_off) r.off_heads.emplace_back(t, h);
+      for (int64_t k = 0; k < end; ++k) {
+        const float* vr = kvh + k * row;
+        const bool seen = k < lim;
+        const double wk = seen ? w[k] : 0, inv_z = 1 / (sum - wk + (seen ? z : 0)), inv_m = 1 / (sum - wk);
+        double ez = 0, em = 0;
+        for (int d = 0; d < kV; ++d) {
+          const double rest = o[d] - wk * vr[d];
+          ez = std::max(ez, std::abs(got[d] - rest * inv_z));
+          em = std::max(em, std::abs(got[d] - rest * inv_m));
+        }
+        zeroed[k] = std::max(zeroed[k], ez);
+        missing[k] = std::max(missing[k], em);
+      }
+      for (int64_t p = 0; p < pages; ++p) {
+        const double* po = page_o.data() + p * kV;
+        const double inv = 1 / (sum - page_w[p] + page_n[p] * z);
+        double e = 0;
+        for (int d = 0; d < kV; ++d) e = std::max(e, std::abs(got[d] - (o[d] - po[d]) * inv));
+        page_zeroed[p] = std::max(page_zeroed[p], e);
+      }
+    }
+  }
+  auto best = [](const std::vector<double>& v) {
+    return static_cast<int64_t>(std::min_element(v.begin(), v.end()) - v.begin());
+  };
+  r.zeroed_row = best(zeroed);
+  r.zeroed_row_error = zeroed[r.zeroed_row];
+  r.missing_row = best(missing);
+  r.missing_row_error = missing[r.missing_row];
+  r.zeroed_page = best(page_zeroed);
+  r.zeroed_page_error = page_zeroed[r.zeroed_page];
+  return r;
+}
+
+std::string Reference::Diagnosis::ToString(int64_t end, int s_q) const {
+  std::string s = absl::StrFormat("%d of %d values out of tolerance", off, values);
+  if (not_finite > 0) absl::StrAppendFormat(&s, ", %d not finite (a poisoned or corrupt row was read)", not_finite);
+  absl::StrAppendFormat(&s, "; max error %.3g at token %d head %d dim %d", max_error, worst_token, worst_head,
+                        worst_dim);
+  if (!off_heads.empty()) {
+    absl::StrAppend(&s, "; (token, head) pairs off: ", off_heads.size(), " (");
+    for (size_t i = 0; i < off_heads.size() && i < 8; ++i)
+      absl::StrAppend(&s, i ? " " : "", off_heads[i].first, ",", off_heads[i].second);
+    absl::StrAppend(&s, off_heads.size() > 8 ? " ...)" : ")");
+  }
+  if (not_finite > 0) return s;  // NaN leaves every hypothesis's remainder NaN
+  auto where = [&](int64_t k) {
+    std::string r = absl::StrCat("key row ", k, " (page ", k / kernels::kPageSize, " row ", k % kernels::kPageSize);
+    if (k >= end - s_q) absl::StrAppend(&r, ", a row of this step");
+    return r + ")";
+  };
+  absl::StrAppendFormat(&s, "; best explanations: %s read as zeros leaves %.3g; %s left out leaves %.3g; page %d "
+                        "read as zeros leaves %.3g",
+                        where(zeroed_row), zeroed_row_error, where(missing_row), missing_row_error, zeroed_page,
+                        zeroed_page_error);
+  return s;
 }
 
 absl::Status Reference::Check(const std::string& sequence_id, int layer, int64_t end, absl::string_view q, int s_q,

@@ -11,9 +11,11 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cpu/mla_decode_cpu.h"
 #include "kernels/params.h"
@@ -49,6 +51,25 @@ class Reference {
   // error says where and by how much they differ.
   absl::Status Compare(absl::string_view got_out, absl::string_view got_lse, absl::string_view want_out,
                        absl::string_view want_lse) const;
+
+  // For a result Compare refused: which one wrong key row would explain it. Tries, for
+  // every row k of [0, end) and every page, "k read as zeros", "k left out" and "the
+  // page read as zeros" (closed forms over the exact softmax sums, in double), and
+  // keeps the best of each with its remaining error beside the error of the result as
+  // it is. A stale or misplaced read of one row (e.g. a new row read before it lands)
+  // shows as a remainder near the output's rounding for that row. Diagnostics only:
+  // O(end x s_q x h_q x 512).
+  struct Diagnosis {
+    int64_t values = 0, off = 0, not_finite = 0;  // values out of tolerance, and not finite
+    double max_error = 0;                          // of the result as it is
+    int worst_token = 0, worst_head = 0, worst_dim = 0;
+    std::vector<std::pair<int, int>> off_heads;    // (token, head) with a value out of tolerance
+    int64_t zeroed_row = -1, missing_row = -1, zeroed_page = -1;
+    double zeroed_row_error = 0, missing_row_error = 0, zeroed_page_error = 0;  // what each leaves
+    std::string ToString(int64_t end, int s_q) const;
+  };
+  absl::StatusOr<Diagnosis> Diagnose(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,
+                                     int s_q, bool causal, absl::string_view got_out);
 
   // Expected + Compare for one result.
   absl::Status Check(const std::string& sequence_id, int layer, int64_t end, absl::string_view q, int s_q,

@@ -57,6 +57,10 @@ ABSL_FLAG(bool, cuda_region, false,
           "there on the device from a pool, and messages carry offsets only");
 ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(int, prefix_pool_pages, 61,
+          "prefixes are made of pages drawn from this many random pages, each sequence and layer "
+          "starting at a page of its own, so a read of another sequence's page or of a stale one "
+          "shows in the checks (0: one prefix shared by every sequence and layer)");
 
 namespace latentd::runner_bench {
 namespace {
@@ -152,9 +156,13 @@ class Checker {
       std::lock_guard<std::mutex> l(mu_);
       if (!st.ok()) {
         ++mismatched_;
-        if (mismatched_ <= 4) {  // the first four, one per line
+        if (mismatched_ <= 4) {  // the first four, one per line, each with what would explain it
           absl::StrAppend(&first_failure_, first_failure_.empty() ? "" : "\n  ", c.id, " layer ", c.layer,
                           " length ", c.end, ": ", st.ToString());
+          if (absl::IsDataLoss(st)) {
+            auto d = ref_->Diagnose(c.id, c.layer, c.end, c.q, s_q_, causal_, c.result.out());
+            absl::StrAppend(&first_failure_, "\n    ", d.ok() ? d->ToString(c.end, s_q_) : d.status().ToString());
+          }
         }
       }
       busy_ = false;
@@ -229,7 +237,21 @@ int Main() {
 
   // Setup: R * B sequences, each with `prefix` rows on every driven layer.
   std::vector<std::vector<std::string>> ids(R, std::vector<std::string>(B));
-  std::string prefix_rows = client::RandomHalves(rng, static_cast<size_t>(shape.KvBytes(prefix) / 2), dtype);
+  // Prefix rows: one page pool, each (sequence, layer) reading it from a page of its own
+  // (or, with --prefix_pool_pages=0, every one the same pages in the same order).
+  const int rotate = std::max(0, absl::GetFlag(FLAGS_prefix_pool_pages));
+  const int pool_pages = rotate > 0 ? rotate : std::max(1, (prefix + 63) / 64);
+  const size_t page_bytes = static_cast<size_t>(shape.KvBytes(64)), prefix_bytes = static_cast<size_t>(shape.KvBytes(prefix));
+  const std::string page_pool = client::RandomHalves(rng, page_bytes * pool_pages / 2, dtype);
+  auto prefix_of = [&](int seq, int layer) {
+    std::string rows;
+    rows.reserve(prefix_bytes);
+    const int first = rotate > 0 ? 7 * seq + 13 * layer : 0;
+    for (int j = 0; rows.size() < prefix_bytes; ++j)
+      rows.append(page_pool, static_cast<size_t>((first + j) % pool_pages) * page_bytes,
+                  std::min(page_bytes, prefix_bytes - rows.size()));
+    return rows;
+  };
   const absl::Time setup_start = absl::Now();
   {
     std::vector<std::thread> threads;
@@ -244,7 +266,9 @@ int Main() {
             return;
           }
           ids[r][b] = *id;
-          std::vector<absl::string_view> per_layer(static_cast<size_t>(L), prefix_rows);
+          std::vector<std::string> rows(static_cast<size_t>(L));
+          std::vector<absl::string_view> per_layer(static_cast<size_t>(L));
+          for (int l = 0; l < L; ++l) per_layer[l] = rows[l] = prefix_of(r * B + b, l);
           if (prefix > 0) {
             auto up = c->AppendKvLayers(*id, per_layer);
             if (!up.ok()) {
@@ -253,7 +277,7 @@ int Main() {
               return;
             }
           }
-          for (int l = 0; l < L; ++l) ref.Append(*id, l, prefix_rows);
+          for (int l = 0; l < L; ++l) ref.Append(*id, l, rows[l]);
         }
       });
     for (auto& t : threads) t.join();

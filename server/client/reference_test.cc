@@ -1,0 +1,122 @@
+// Reference::Diagnose: a result computed over the rows with one row zeroed, one left out
+// or one page zeroed is traced back to that row or page, with a remainder near the
+// output's rounding; the correct result leaves nothing out of tolerance.
+#include "server/client/reference.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "kernels/params.h"
+
+namespace latentd::client {
+namespace {
+
+constexpr int kHq = 16;
+constexpr int64_t kEnd = 200;  // four pages, the last partly filled
+constexpr int64_t kRow = kernels::kHeadDimQK * 2;  // bytes per row, h_kv 1
+
+v1::ServerInfo Info() {
+  v1::ServerInfo info;
+  info.set_dtype(v1::BF16);
+  info.set_num_heads_q(kHq);
+  info.set_num_heads_kv(1);
+  info.set_num_layers(1);
+  info.set_softmax_scale(static_cast<float>(1.0 / std::sqrt(192.0)));
+  return info;
+}
+
+class DiagnoseTest : public ::testing::Test {
+ protected:
+  DiagnoseTest() : ref_(Info(), 1), rng_(7) {
+    rows_ = RandomHalves(rng_, kEnd * kRow / 2, kernels::DType::kBF16);
+    q_ = RandomHalves(rng_, kHq * kernels::kHeadDimQK, kernels::DType::kBF16);
+    ref_.Append("real", 0, rows_);
+  }
+
+  // The output of a decode over `rows` (whatever they are) for the real query.
+  std::string OutputOver(const std::string& rows) {
+    const std::string id = "variant" + std::to_string(variants_++);
+    ref_.Append(id, 0, rows);
+    std::string out, lse;
+    EXPECT_TRUE(ref_.Expected(id, 0, static_cast<int64_t>(rows.size() / kRow), q_, 1, true, &out, &lse).ok());
+    return out;
+  }
+
+  Reference::Diagnosis Diagnose(const std::string& got) {
+    auto d = ref_.Diagnose("real", 0, kEnd, q_, 1, true, got);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? *d : Reference::Diagnosis{};
+  }
+
+  Reference ref_;
+  std::mt19937_64 rng_;
+  std::string rows_, q_;
+  int variants_ = 0;
+};
+
+TEST_F(DiagnoseTest, CorrectResultHasNothingOutOfTolerance) {
+  const Reference::Diagnosis d = Diagnose(OutputOver(rows_));
+  EXPECT_EQ(d.off, 0);
+  EXPECT_EQ(d.not_finite, 0);
+  EXPECT_LT(d.max_error, 8e-4);  // the tolerance's floor
+  EXPECT_EQ(d.values, kHq * kernels::kHeadDimV);
+}
+
+TEST_F(DiagnoseTest, NamesTheRowReadAsZeros) {
+  for (int64_t k : {int64_t{0}, int64_t{137}, kEnd - 1}) {
+    std::string rows = rows_;
+    std::fill(rows.begin() + k * kRow, rows.begin() + (k + 1) * kRow, '\0');
+    const std::string got = OutputOver(rows);
+    const Reference::Diagnosis d = Diagnose(got);
+    EXPECT_EQ(d.zeroed_row, k);
+    // What is left is the output's rounding (an ulp of bf16 at ~0.1: 4.9e-4), below the
+    // tolerance's floor and far below what the result is off by.
+    EXPECT_LT(d.zeroed_row_error, 8e-4) << d.ToString(kEnd, 1);
+    EXPECT_GT(d.max_error, 5 * d.zeroed_row_error) << d.ToString(kEnd, 1);
+  }
+  std::string rows = rows_;
+  std::fill(rows.begin() + (kEnd - 1) * kRow, rows.end(), '\0');
+  EXPECT_NE(Diagnose(OutputOver(rows)).ToString(kEnd, 1).find("key row 199 (page 3 row 7, a row of this step) read "
+                                                              "as zeros"),
+            std::string::npos);
+}
+
+TEST_F(DiagnoseTest, NamesTheRowLeftOut) {
+  const int64_t k = 64;  // the first row of page 1
+  std::string rows = rows_.substr(0, k * kRow) + rows_.substr((k + 1) * kRow);
+  const Reference::Diagnosis d = Diagnose(OutputOver(rows));
+  EXPECT_EQ(d.missing_row, k);
+  EXPECT_LT(d.missing_row_error, 8e-4) << d.ToString(kEnd, 1);
+}
+
+TEST_F(DiagnoseTest, NamesThePageReadAsZeros) {
+  std::string rows = rows_;
+  std::fill(rows.begin() + 128 * kRow, rows.begin() + 192 * kRow, '\0');
+  const Reference::Diagnosis d = Diagnose(OutputOver(rows));
+  EXPECT_GT(d.off, 0);
+  EXPECT_EQ(d.zeroed_page, 2);
+  EXPECT_LT(d.zeroed_page_error, 8e-4) << d.ToString(kEnd, 1);
+}
+
+TEST_F(DiagnoseTest, CountsNotFiniteValues) {
+  std::string got = OutputOver(rows_);
+  got[2 * 600] = '\xff';  // value 600 (head 1): 0xffff, a NaN in bf16
+  got[2 * 600 + 1] = '\xff';
+  const Reference::Diagnosis d = Diagnose(got);
+  EXPECT_EQ(d.not_finite, 1);
+  ASSERT_EQ(d.off_heads.size(), 1u);
+  EXPECT_EQ(d.off_heads[0], std::make_pair(0, 1));
+  EXPECT_NE(d.ToString(kEnd, 1).find("not finite"), std::string::npos);
+}
+
+TEST_F(DiagnoseTest, RefusesWhatDoesNotFit) {
+  EXPECT_FALSE(ref_.Diagnose("real", 0, kEnd, q_, 1, true, "short").ok());
+  EXPECT_FALSE(ref_.Diagnose("real", 0, kEnd + 1, q_, 1, true, std::string(kHq * 1024, '\0')).ok());
+  EXPECT_FALSE(ref_.Diagnose("nobody", 0, kEnd, q_, 1, true, std::string(kHq * 1024, '\0')).ok());
+}
+
+}  // namespace
+}  // namespace latentd::client
