@@ -230,7 +230,7 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   const int64_t pages = (end + kP - 1) / kP;
   // Largest |got - predicted| under each hypothesis: row k zeroed, row k left out, page p zeroed.
   std::vector<double> zeroed(static_cast<size_t>(end), 0), missing(static_cast<size_t>(end), 0),
-      page_zeroed(static_cast<size_t>(pages), 0);
+      doubled(static_cast<size_t>(end), 0), page_zeroed(static_cast<size_t>(pages), 0);
   std::vector<double> w(static_cast<size_t>(end)), o(kV), got(kV), page_o(static_cast<size_t>(pages) * kV),
       page_w(static_cast<size_t>(pages)), qf(kernels::kHeadDimQK);
   std::vector<int> page_n(static_cast<size_t>(pages));
@@ -289,16 +289,22 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
       for (int64_t k = 0; k < end; ++k) {
         const float* vr = kvh + k * row;
         const bool seen = k < lim;
-        const double wk = seen ? w[k] : 0, inv_z = 1 / (sum - wk + (seen ? z : 0)), inv_m = 1 / (sum - wk);
-        double ez = 0, em = 0;
+        const double wk = seen ? w[k] : 0, inv_z = 1 / (sum - wk + (seen ? z : 0)), inv_m = 1 / (sum - wk),
+                     inv_d = 1 / (sum + wk);
+        double ez = 0, em = 0, ed = 0;
         for (int d = 0; d < kV; ++d) {
           const double rest = o[d] - wk * vr[d];
           ez = std::max(ez, std::abs(got[d] - rest * inv_z));
           em = std::max(em, std::abs(got[d] - rest * inv_m));
+          ed = std::max(ed, std::abs(got[d] - (o[d] + wk * vr[d]) * inv_d));
         }
         zeroed[k] = std::max(zeroed[k], ez);
         missing[k] = std::max(missing[k], em);
+        doubled[k] = std::max(doubled[k], ed);
       }
+      double ex = 0;
+      for (int d = 0; d < kV; ++d) ex = std::max(ex, std::abs(got[d] - o[d] / (sum + z)));
+      r.extra_zero_key_error = std::max(r.extra_zero_key_error, ex);
       for (int64_t p = 0; p < pages; ++p) {
         const double* po = page_o.data() + p * kV;
         const double inv = 1 / (sum - page_w[p] + page_n[p] * z);
@@ -315,6 +321,8 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   r.zeroed_row_error = zeroed[r.zeroed_row];
   r.missing_row = best(missing);
   r.missing_row_error = missing[r.missing_row];
+  r.doubled_row = best(doubled);
+  r.doubled_row_error = doubled[r.doubled_row];
   r.zeroed_page = best(page_zeroed);
   r.zeroed_page_error = page_zeroed[r.zeroed_page];
   return r;
@@ -337,10 +345,11 @@ std::string Reference::Diagnosis::ToString(int64_t end, int s_q) const {
     if (k >= end - s_q) absl::StrAppend(&r, ", a row of this step");
     return r + ")";
   };
-  absl::StrAppendFormat(&s, "; best explanations: %s read as zeros leaves %.3g; %s left out leaves %.3g; page %d "
-                        "read as zeros leaves %.3g",
-                        where(zeroed_row), zeroed_row_error, where(missing_row), missing_row_error, zeroed_page,
-                        zeroed_page_error);
+  absl::StrAppendFormat(&s, "; best explanations: %s read as zeros leaves %.3g; %s left out leaves %.3g; %s "
+                        "counted twice leaves %.3g; page %d read as zeros leaves %.3g; one zero key too many "
+                        "leaves %.3g",
+                        where(zeroed_row), zeroed_row_error, where(missing_row), missing_row_error,
+                        where(doubled_row), doubled_row_error, zeroed_page, zeroed_page_error, extra_zero_key_error);
   return s;
 }
 

@@ -53,8 +53,8 @@ class Reference {
                        absl::string_view want_lse) const;
 
   // For a result Compare refused: which one wrong key row would explain it. Tries, for
-  // every row k of [0, end) and every page, "k read as zeros", "k left out" and "the
-  // page read as zeros" (closed forms over the exact softmax sums, in double), and
+  // every row k of [0, end) and every page, "k read as zeros", "k left out", "k counted
+  // twice", "the page read as zeros" and "one zero key too many" (closed forms over the exact softmax sums, in double), and
   // keeps the best of each with its remaining error beside the error of the result as
   // it is. A stale or misplaced read of one row (e.g. a new row read before it lands)
   // shows as a remainder near the output's rounding for that row. Diagnostics only:
@@ -64,8 +64,11 @@ class Reference {
     double max_error = 0;                          // of the result as it is
     int worst_token = 0, worst_head = 0, worst_dim = 0;
     std::vector<std::pair<int, int>> off_heads;    // (token, head) with a value out of tolerance
-    int64_t zeroed_row = -1, missing_row = -1, zeroed_page = -1;
-    double zeroed_row_error = 0, missing_row_error = 0, zeroed_page_error = 0;  // what each leaves
+    int64_t zeroed_row = -1, missing_row = -1, doubled_row = -1, zeroed_page = -1;
+    // What each leaves; extra_zero_key: one key of zeros more than the step has (a row
+    // past the end read, unmasked, from a pool still holding zeros).
+    double zeroed_row_error = 0, missing_row_error = 0, doubled_row_error = 0, zeroed_page_error = 0,
+           extra_zero_key_error = 0;
     std::string ToString(int64_t end, int s_q) const;
   };
   absl::StatusOr<Diagnosis> Diagnose(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,

@@ -92,6 +92,20 @@ TEST_F(DiagnoseTest, NamesTheRowLeftOut) {
   EXPECT_LT(d.missing_row_error, 8e-4) << d.ToString(kEnd, 1);
 }
 
+TEST_F(DiagnoseTest, NamesTheRowCountedTwice) {
+  const int64_t k = 31;
+  std::string rows = rows_.substr(0, (k + 1) * kRow) + rows_.substr(k * kRow);
+  const Reference::Diagnosis d = Diagnose(OutputOver(rows));
+  EXPECT_EQ(d.doubled_row, k);
+  EXPECT_LT(d.doubled_row_error, 8e-4) << d.ToString(kEnd, 1);
+}
+
+TEST_F(DiagnoseTest, NamesOneZeroKeyTooMany) {
+  const Reference::Diagnosis d = Diagnose(OutputOver(rows_ + std::string(kRow, '\0')));
+  EXPECT_LT(d.extra_zero_key_error, 8e-4) << d.ToString(kEnd, 1);
+  EXPECT_GT(d.max_error, 2 * d.extra_zero_key_error) << d.ToString(kEnd, 1);
+}
+
 TEST_F(DiagnoseTest, NamesThePageReadAsZeros) {
   std::string rows = rows_;
   std::fill(rows.begin() + 128 * kRow, rows.begin() + 192 * kRow, '\0');
