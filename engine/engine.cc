@@ -50,6 +50,8 @@ class EngineImpl final : public Engine {
             o.completion_threads, o.max_queue + 2 * o.max_batch_size,
             [this](DecodeStep* const* s, const absl::Status* st, int n) { RunCompletions(s, st, n); })) {
     for (auto& b : batches_) b.entries.reserve(o.max_batch_size);
+    inline_steps_.resize(o.max_batch_size);
+    inline_statuses_.resize(o.max_batch_size);
     incoming_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
     scheduler_ = std::thread([this] {
@@ -499,7 +501,21 @@ class EngineImpl final : public Engine {
     }
     // Metrics first, so a caller that sees its result also sees it counted.
     metrics_.RecordBatch(static_cast<int>(batch.entries.size()), ok, now - batch.launched_at, now);
-    for (auto& e : batch.entries) Complete(e.step, e.status);
+    // Steps that complete inline (DecodeStep::complete_inline) are answered here, after
+    // the others are handed over, in runs of one callback.
+    int n = 0;
+    for (auto& e : batch.entries) {
+      if (!e.step->complete_inline) {
+        Complete(e.step, e.status);
+        continue;
+      }
+      inline_steps_[n] = e.step;
+      inline_statuses_[n++] = e.status;
+    }
+    if (n > 0) {
+      RunCompletions(inline_steps_.data(), inline_statuses_.data(), n);
+      for (int i = 0; i < n; ++i) inline_statuses_[i] = absl::OkStatus();  // drop error payloads now
+    }
   }
 
   void Loop() {
@@ -583,6 +599,9 @@ class EngineImpl final : public Engine {
   absl::Time window_start_;             // arrival of the oldest waiting step, roughly
   std::vector<Failed> failed_;
   Batch batches_[2];
+  // Finish's inline completions, sized once (max_batch_size).
+  std::vector<DecodeStep*> inline_steps_;
+  std::vector<absl::Status> inline_statuses_;
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> draining_{false};

@@ -147,6 +147,11 @@ struct DecodeStep {
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;
+  // The callback only publishes results where the client polls for them (a doorbell
+  // ring's completion queue: memory stores and at most a futex wake), so the scheduler
+  // runs it itself when the batch finishes instead of handing it to a completion
+  // thread, whose wake-up would sit between the results and the client.
+  bool complete_inline = false;
   // Engine bookkeeping. The times are set for every step (a store each): when it was
   // queued, put into a batch, launched (rows appended, inputs staged) and finished
   // (results in out/lse); the server reports them to clients that trace a step.

@@ -108,6 +108,36 @@ TEST_F(EngineTest, FullBatchOfLongSequences) {
   for (auto* p : steps) EXPECT_TRUE(h.Check(*p, kExact));
 }
 
+// DecodeStep::complete_inline: such steps are answered on the scheduler thread as their
+// batch finishes, the others on the completion threads; both right.
+TEST_F(EngineTest, InlineCompletionsRunOnTheScheduler) {
+  EngineOptions o = Model(1, 16);
+  o.completion_threads = 2;
+  o.batch_window = absl::Milliseconds(20);
+  auto engine = Make(o);
+  ASSERT_NE(engine, nullptr);
+  Harness h(engine.get(), 13);
+  std::vector<Harness::Pending*> steps;
+  for (int i = 0; i < 8; ++i) {
+    const std::string s = h.NewSequence(70 + i);
+    steps.push_back(h.MakeStep(s, 0, 1, false));
+    steps.back()->step.complete_inline = i % 2 == 0;
+  }
+  std::vector<Harness::Pending*> first(steps.begin(), steps.begin() + 4), rest(steps.begin() + 4, steps.end());
+  ASSERT_TRUE(h.SubmitBatch(first).ok());
+  for (auto* p : rest) ASSERT_TRUE(h.Submit(p).ok());
+  ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  for (auto* p : steps) {
+    EXPECT_TRUE(h.Check(*p, kExact));
+    if (p->step.complete_inline) {
+      EXPECT_EQ(p->completed_on, "latentd-sched") << p->step.request_id;
+    } else {
+      EXPECT_NE(p->completed_on, "latentd-sched") << p->step.request_id;
+    }
+  }
+  EXPECT_EQ(engine->Metrics().steps_completed, steps.size());
+}
+
 TEST_F(EngineTest, MixedLayersAndQueryLengthsInOneBatch) {
   EngineOptions o = Model(2, 32, 2);
   // Stalls the scheduler in a held completion (or reads completion order): only the

@@ -677,6 +677,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     s->trace = trace;
     s->received = received;
     s->submitted = s->batched_at = s->launched_at = s->finished_at = s->completed = absl::Time();
+    s->complete_inline = false;
   }
 
   // Makes a message's n read slots one group: valid ones wait to be submitted, the
@@ -1259,6 +1260,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       f.sequence_id = &slot->sequence_id;
       slot->sequence_id.assign(e.sequence_id, std::min<uint32_t>(e.sequence_id_bytes, ring::kMaxSequenceId));
       ResetSlot(slot, f.request_id, e.trace == 1, received);
+      slot->complete_inline = true;  // its completion is a store into the ring (PostLocked)
       absl::Status st;
       if (e.causal > 1 || e.trace > 1) {
         st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id, ").",

@@ -1,6 +1,8 @@
 // Engine test harness; see engine_harness.h.
 #include "engine/testing/engine_harness.h"
 
+#include <pthread.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -138,6 +140,9 @@ void Harness::StepDone(DecodeStep* step, absl::Status status) {
   p->status = status;
   p->done = true;
   p->completion_rank = completed_++;
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  p->completed_on = name;
   cv_.SignalAll();
 }
 

@@ -40,6 +40,7 @@ class Harness : public StepCallback {
     bool done = false;
     absl::Status status;
     int completion_rank = -1;
+    std::string completed_on;  // the name of the thread that ran its StepDone
     std::atomic<bool> cancelled{false};
   };
 
