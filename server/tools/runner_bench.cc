@@ -9,7 +9,6 @@
 #include <cstring>
 #include <cstdio>
 #include <deque>
-#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -398,6 +397,12 @@ int Main() {
           t->set_lse_offset(lse_off(b));
         }
       }
+      std::vector<Check> to_check;  // a layer's sampled results, read back after its time is taken
+      std::vector<int> to_check_slot;
+      std::vector<int> appended;  // a layer's steps whose kv row the server appended
+      to_check.reserve(static_cast<size_t>(B));
+      to_check_slot.reserve(static_cast<size_t>(B));
+      appended.reserve(static_cast<size_t>(B));
       for (int tok = 0; tok < warmup + tokens; ++tok) {
         if (tok == warmup) {
           barrier.Wait();
@@ -410,17 +415,17 @@ int Main() {
             barrier.Wait();
             continue;
           }
-          std::map<uint64_t, int> index;  // request_id -> b
-          std::vector<Check> to_check;      // this layer's sampled results, read back after timing
-          std::vector<int> to_check_slot;
-          std::vector<int> appended;        // steps whose kv row the server appended
+          // Step b of this layer has request id first_id + b.
+          const uint64_t first_id = next_id;
+          to_check.clear();
+          to_check_slot.clear();
+          appended.clear();
           for (int b = 0; b < B; ++b) {
             v1::DecodeStep* s = step_of(b);
             const int qi = device != nullptr ? (layer_count + b) % kPool : static_cast<int>((next_id * 7 + b) % kPool);
             q_of[b] = qi;
-            s->set_request_id(next_id);
+            s->set_request_id(next_id++);
             s->set_layer(l);
-            index[next_id++] = b;
           }
           const int64_t sent = NowUs();
           for (int b = 0; b < B; ++b) {  // producing the inputs is part of the round trip
@@ -480,46 +485,49 @@ int Main() {
             continue;
           }
           int got = 0;
-          v1::DecodeResponse resp;
+          // One result: counted, its row appended to the reference later, sampled for a
+          // check (only then is a StepResult built), its timing added to the breakdown.
+          auto take = [&](uint64_t request_id, int32_t code, const std::string& message,
+                          const v1::StepTiming* timing, v1::StepResult* result, int64_t received) {
+            if (request_id < first_id || request_id >= first_id + static_cast<uint64_t>(B)) return;
+            const int b = static_cast<int>(request_id - first_id);
+            ++got;
+            const size_t key = static_cast<size_t>(b) * L + l;
+            if (code != 0) {
+              ++st.failed;
+              if (st.first_error.empty()) st.first_error = absl::StrCat("code ", code, ": ", message);
+              return;
+            }
+            length[key] += s_q;
+            appended.push_back(b);
+            if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
+              // Read back (in place) after the layer's time is taken: the check is
+              // the benchmark's own work, not the round trip's.
+              Check c{ids[r][b], q_pool[q_of[b]], l, length[key], {}};
+              if (result != nullptr) c.result = std::move(*result);
+              c.result.set_request_id(request_id);
+              to_check.push_back(std::move(c));
+              to_check_slot.push_back(b);
+            }
+            if (measured && timing != nullptr) st.breakdown.Add(sent, *timing, received);
+          };
           if (doorbell != nullptr) {
+            // A runner reads its completions straight off the ring: no response to build.
             completions.clear();
             absl::Status w = doorbell->Wait(static_cast<size_t>(B), &completions, absl::Seconds(60));
             if (!w.ok() && st.first_error.empty()) st.first_error = w.ToString();
-            resp.clear_results();
-            for (const client::Ring::Completion& c : completions) {
-              v1::StepResult* res = resp.add_results();
-              res->set_request_id(c.request_id);
-              res->set_code(c.code);
-              res->set_message(c.message);
-              if (c.has_timing) *res->mutable_timing() = c.timing;
-            }
-          }
-          const bool from_ring = doorbell != nullptr;
-          for (bool first = true; got < B && (from_ring ? first : stream->Read(&resp)); first = false) {
             const int64_t received = NowUs();
             if (measured) ++st.responses;
-            for (v1::StepResult& res : *resp.mutable_results()) {
-              auto it = index.find(res.request_id());
-              if (it == index.end()) continue;
-              const int b = it->second;
-              ++got;
-              const size_t key = static_cast<size_t>(b) * L + l;
-              if (res.code() != 0) {
-                ++st.failed;
-                if (st.first_error.empty()) st.first_error = absl::StrCat("code ", res.code(), ": ", res.message());
-                continue;
-              }
-              length[key] += s_q;
-              appended.push_back(b);
-              if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
-                // Read back (in place) after the layer's time is taken: the check is
-                // the benchmark's own work, not the round trip's.
-                to_check.push_back({ids[r][b], q_pool[q_of[b]], l, length[key], res});
-                to_check_slot.push_back(b);
-              }
-              if (measured && res.has_timing()) {
-                st.breakdown.Add(sent, res.timing(), received);
-              }
+            for (const client::Ring::Completion& c : completions)
+              take(c.request_id, c.code, c.message, c.has_timing ? &c.timing : nullptr, nullptr, received);
+          } else {
+            v1::DecodeResponse resp;
+            while (got < B && stream->Read(&resp)) {
+              const int64_t received = NowUs();
+              if (measured) ++st.responses;
+              for (v1::StepResult& res : *resp.mutable_results())
+                take(res.request_id(), res.code(), res.message(), res.has_timing() ? &res.timing() : nullptr, &res,
+                     received);
             }
           }
           const int64_t finished = NowUs();
@@ -535,7 +543,6 @@ int Main() {
           // The reference's rows, also after the time is taken: a check copies a
           // sequence's rows under the reference's lock, which would hold this thread up.
           for (int b : appended) ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
-          appended.clear();
           for (size_t k = 0; k < to_check.size(); ++k) {
             Check& c = to_check[k];
             const int b = to_check_slot[k];
@@ -548,8 +555,6 @@ int Main() {
             }
             checker.Push(std::move(c));
           }
-          to_check.clear();
-          to_check_slot.clear();
           ++layer_count;
           barrier.Wait();
         }
