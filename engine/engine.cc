@@ -477,8 +477,28 @@ class EngineImpl final : public Engine {
   }
 
   void FailCollected() {
-    for (auto& f : failed_) Complete(f.step, f.status);
+    for (auto& f : failed_) Answer(f.step, f.status);
+    FlushInline();
     failed_.clear();
+  }
+
+  // Steps marked complete_inline wait in a buffer for FlushInline, which runs their
+  // callbacks on this (the scheduler) thread in runs of one callback; the others go to
+  // the completion threads at once.
+  void Answer(DecodeStep* step, const absl::Status& status) {
+    if (!step->complete_inline) {
+      Complete(step, status);
+      return;
+    }
+    if (inline_count_ == inline_steps_.size()) FlushInline();
+    inline_steps_[inline_count_] = step;
+    inline_statuses_[inline_count_++] = status;
+  }
+  void FlushInline() {
+    if (inline_count_ == 0) return;
+    RunCompletions(inline_steps_.data(), inline_statuses_.data(), static_cast<int>(inline_count_));
+    for (size_t i = 0; i < inline_count_; ++i) inline_statuses_[i] = absl::OkStatus();  // drop error payloads now
+    inline_count_ = 0;
   }
 
   void Finish(Batch& batch) {
@@ -501,21 +521,8 @@ class EngineImpl final : public Engine {
     }
     // Metrics first, so a caller that sees its result also sees it counted.
     metrics_.RecordBatch(static_cast<int>(batch.entries.size()), ok, now - batch.launched_at, now);
-    // Steps that complete inline (DecodeStep::complete_inline) are answered here, after
-    // the others are handed over, in runs of one callback.
-    int n = 0;
-    for (auto& e : batch.entries) {
-      if (!e.step->complete_inline) {
-        Complete(e.step, e.status);
-        continue;
-      }
-      inline_steps_[n] = e.step;
-      inline_statuses_[n++] = e.status;
-    }
-    if (n > 0) {
-      RunCompletions(inline_steps_.data(), inline_statuses_.data(), n);
-      for (int i = 0; i < n; ++i) inline_statuses_[i] = absl::OkStatus();  // drop error payloads now
-    }
+    for (auto& e : batch.entries) Answer(e.step, e.status);
+    FlushInline();
   }
 
   void Loop() {
@@ -599,9 +606,10 @@ class EngineImpl final : public Engine {
   absl::Time window_start_;             // arrival of the oldest waiting step, roughly
   std::vector<Failed> failed_;
   Batch batches_[2];
-  // Finish's inline completions, sized once (max_batch_size).
+  // Inline completions waiting for FlushInline (Answer), sized once (max_batch_size).
   std::vector<DecodeStep*> inline_steps_;
   std::vector<absl::Status> inline_statuses_;
+  size_t inline_count_ = 0;
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> draining_{false};

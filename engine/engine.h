@@ -54,7 +54,9 @@ struct EngineOptions {
   int cpu_threads = 0;              // CPU backend threads, 0 = all
   // Threads that run StepDone callbacks, so the scheduler does not answer each step of
   // a batch itself before staging the next (engine/completion_pool.h); 0 = on the
-  // scheduler thread. Steps of one flow complete in order either way.
+  // scheduler thread. Steps of one flow complete in order either way, except that steps
+  // marked DecodeStep::complete_inline are always answered on the scheduler thread, so
+  // they keep their order among themselves but not against the flow's other steps.
   int completion_threads = 4;
   // Live sequences (forks included) before CreateSequence and ForkSequence fail
   // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.

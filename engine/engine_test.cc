@@ -126,7 +126,15 @@ TEST_F(EngineTest, InlineCompletionsRunOnTheScheduler) {
   std::vector<Harness::Pending*> first(steps.begin(), steps.begin() + 4), rest(steps.begin() + 4, steps.end());
   ASSERT_TRUE(h.SubmitBatch(first).ok());
   for (auto* p : rest) ASSERT_TRUE(h.Submit(p).ok());
+  // One more inline step whose caller left before it launched: refused at collection,
+  // answered on the scheduler too.
+  Harness::Pending* gone = h.MakeStep(h.NewSequence(5), 0, 1, false);
+  gone->step.complete_inline = true;
+  gone->cancelled.store(true);
+  ASSERT_TRUE(h.Submit(gone).ok());
   ASSERT_TRUE(h.WaitAll(absl::Seconds(60)));
+  EXPECT_TRUE(absl::IsCancelled(gone->status)) << gone->status;
+  EXPECT_EQ(gone->completed_on, "latentd-sched");
   for (auto* p : steps) {
     EXPECT_TRUE(h.Check(*p, kExact));
     if (p->step.complete_inline) {
