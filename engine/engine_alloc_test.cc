@@ -55,9 +55,14 @@ TEST(EngineAllocTest, SteadyStateStepsAllocateNothing) {
   std::vector<std::string> seqs;
   for (int i = 0; i < 12; ++i) seqs.push_back(h.NewSequence(64 * (1 + i % 4) + 1));
 
+  // Half the sequences' steps are answered on the scheduler (complete_inline, as a
+  // doorbell ring's are), half on the completion threads.
   auto round = [&](std::vector<Harness::Pending*>* steps) {
-    for (const auto& s : seqs)
-      for (int layer = 0; layer < 2; ++layer) steps->push_back(h.MakeStep(s, layer, 1 + layer, layer == 1));
+    for (size_t i = 0; i < seqs.size(); ++i)
+      for (int layer = 0; layer < 2; ++layer) {
+        steps->push_back(h.MakeStep(seqs[i], layer, 1 + layer, layer == 1));
+        steps->back()->step.complete_inline = i % 2 == 0;
+      }
   };
   // Warm-up: buffers reach their high-water marks.
   std::vector<Harness::Pending*> warm;
