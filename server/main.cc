@@ -84,7 +84,7 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
 ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, completion_threads, 4,
           "threads that answer finished steps (start their gRPC writes), so the scheduler stages the next "
-          "batch meanwhile; 0: the scheduler answers them itself");
+          "batch meanwhile; 0: the scheduler answers them itself (it always answers doorbell-ring steps)");
 ABSL_FLAG(int, max_s_q, 8, "most query tokens per decode step");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
