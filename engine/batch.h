@@ -21,6 +21,7 @@ struct BatchEntry {
   int64_t seqlen = 0;            // keys the step attends over (after its rows are appended)
   int64_t page_offset = 0;       // layer * num_pages: logical page -> physical page
   const int32_t* table = nullptr;  // logical page ids; valid only during Stage
+  kv::Sequence* seq = nullptr;     // the step's sequence; valid only during Stage (under the KV lock)
   int table_pages = 0;
   kv::AppendSlot slots[kMaxAppendSlots];
   int num_slots = 0;

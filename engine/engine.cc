@@ -445,7 +445,7 @@ class EngineImpl final : public Engine {
     const int64_t num_pages = backend_->kv_config().num_pages;
     for (auto& e : batch.entries) {
       DecodeStep* s = e.step;
-      kv::Sequence* seq = kv_.Find(s->sequence_id);
+      kv::Sequence* seq = e.seq = kv_.Find(s->sequence_id);
       if (seq == nullptr) {
         e.status = NotFound(s->sequence_id);
         continue;
@@ -461,18 +461,20 @@ class EngineImpl final : public Engine {
       e.page_offset = int64_t{s->layer} * num_pages;
     }
     // Table pointers only after every reservation: a later step of the same sequence
-    // (another layer) may have grown, and so moved, its block table.
+    // (another layer) may have grown, and so moved, its block table. (A Sequence itself
+    // does not move: the manager holds each behind a pointer, and none is added or
+    // removed while this lock is held.)
     for (auto& e : batch.entries)
-      if (e.status.ok()) e.table = kv_.BlockTable(kv_.Find(e.step->sequence_id)).data();
+      if (e.status.ok()) e.table = kv_.BlockTable(e.seq).data();
     backend_->Stage(batch);
     // A step the backend could not stage gives its reserved rows back.
     for (auto& e : batch.entries) {
       if (!e.status.ok() && e.num_slots > 0) {
-        kv::Sequence* seq = kv_.Find(e.step->sequence_id);
-        if (seq != nullptr) kv_.TruncateLayer(seq, e.step->layer, e.seqlen - e.step->s_q);
+        if (e.seq != nullptr) kv_.TruncateLayer(e.seq, e.step->layer, e.seqlen - e.step->s_q);
         e.num_slots = 0;
       }
       e.table = nullptr;
+      e.seq = nullptr;
     }
   }
 
