@@ -18,7 +18,7 @@ start_daemon() {  # env... -- flags...
   rm -f /tmp/port
   env "$@" >/tmp/hunt-daemon.log 2>&1 &
   pid=$!
-  for _ in $(seq 600); do [[ -s /tmp/port ]] && break; sleep 0.1; done
+  for _ in $(seq 1800); do [[ -s /tmp/port ]] && break; sleep 0.1; done  # a sanitized start is slow
   port=$(cat /tmp/port 2>/dev/null)
 }
 
@@ -32,7 +32,7 @@ bench() {  # label, runner_bench flags...
 
 if [[ $mode == initcheck ]]; then
   start_daemon LATENTD_KV_POISON=uninit compute-sanitizer --tool initcheck --print-limit 20 \
-    "$B/run" latentd "${daemon_flags[@]}" --max_batch_size=256
+    "$B/run" latentd "${daemon_flags[@]}" --max_batch_size=256 --kv_pages=2000
   bench "initcheck: 4 runners x 16, ring, prefix 256" --batch=16 --prefix_len=256 --tokens=4 --ring
   kill -TERM $pid; wait $pid
   echo "--- daemon's sanitizer report"
