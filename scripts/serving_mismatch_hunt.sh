@@ -4,10 +4,10 @@
 # with 4 runners x 64 steps per message at --max_batch_size=256, every 4th result checked
 # and each mismatch diagnosed (Reference::Diagnose: which row or page would explain it),
 # varied one factor at a time. Built here, carried with ../shared/tools/bundle.sh.
-#   scripts/serving_mismatch_hunt.sh BUNDLE [initcheck]
+#   scripts/serving_mismatch_hunt.sh BUNDLE [initcheck|memcheck]
 # With "initcheck" it instead runs one small case under compute-sanitizer's initcheck with
 # the pool left unwritten (LATENTD_KV_POISON=uninit): any kernel reading a KV row nobody
-# wrote is named with its address.
+# wrote is named with its address; "memcheck" runs the same case under memcheck.
 set -uo pipefail
 B=$1
 mode=${2:-matrix}
@@ -30,10 +30,12 @@ bench() {  # label, runner_bench flags...
     grep -E "round trip|checked|mismatch|diagnosis|values out of|rror|first|layer [0-9]" | head -20
 }
 
-if [[ $mode == initcheck ]]; then
-  start_daemon LATENTD_KV_POISON=uninit compute-sanitizer --tool initcheck --print-limit 20 \
+if [[ $mode == initcheck || $mode == memcheck ]]; then
+  poison=1
+  [[ $mode == initcheck ]] && poison=uninit
+  start_daemon LATENTD_KV_POISON=$poison compute-sanitizer --tool "$mode" --print-limit 20 \
     "$B/run" latentd "${daemon_flags[@]}" --max_batch_size=256 --kv_pages=2000
-  bench "initcheck: 4 runners x 16, ring, prefix 256" --batch=16 --prefix_len=256 --tokens=4 --ring
+  bench "$mode: 4 runners x 16, ring, prefix 256" --batch=16 --prefix_len=256 --tokens=4 --ring
   kill -TERM $pid; wait $pid
   echo "--- daemon's sanitizer report"
   grep -E "=========|Uninitialized|at 0x|by thread|Address" /tmp/hunt-daemon.log | head -60
