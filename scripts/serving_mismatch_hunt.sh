@@ -4,7 +4,8 @@
 # with 4 runners x 64 steps per message at --max_batch_size=256, every 4th result checked
 # and each mismatch diagnosed (Reference::Diagnose: which row or page would explain it),
 # varied one factor at a time. Built here, carried with ../shared/tools/bundle.sh.
-#   scripts/serving_mismatch_hunt.sh BUNDLE [initcheck|memcheck]
+#   scripts/serving_mismatch_hunt.sh BUNDLE [CASE...]   (cases: ring eager shared shm grpc mb64; all by default)
+#   scripts/serving_mismatch_hunt.sh BUNDLE initcheck|memcheck
 # With "initcheck" it instead runs one small case under compute-sanitizer's initcheck with
 # the pool left unwritten (LATENTD_KV_POISON=uninit): any kernel reading a KV row nobody
 # wrote is named with its address; "memcheck" runs the same case under memcheck.
@@ -53,9 +54,19 @@ case_() {  # label, env (comma-separated or "-"), extra daemon flags (or "-"), r
   kill -TERM $pid; wait $pid
 }
 
-for i in 1 2 3; do case_ "ring #$i" - - --ring; done
-for i in 1 2; do case_ "ring, CUDA_MODULE_LOADING=EAGER #$i" CUDA_MODULE_LOADING=EAGER - --ring; done
-case_ "ring, shared prefixes (as before)" - - --ring --prefix_pool_pages=0
-case_ "shared region, no ring" - - --shm
-case_ "gRPC bytes" - -
-case_ "ring, --max_batch_size=64" - "--max_batch_size=64" --ring
+# Each case is ~1 minute (a 4.8 GB prefix upload, then checks on the client's CPU): the
+# whole matrix is more than one 10-minute device call, so name the cases to run, e.g.
+# "ring eager" in one call and "shared shm grpc mb64" in the next.
+shift
+cases=${*:-ring eager shared shm grpc mb64}
+for c in $cases; do
+  case $c in
+    ring) for i in 1 2 3; do case_ "ring #$i" - - --ring; done ;;
+    eager) for i in 1 2; do case_ "ring, CUDA_MODULE_LOADING=EAGER #$i" CUDA_MODULE_LOADING=EAGER - --ring; done ;;
+    shared) case_ "ring, shared prefixes (as before)" - - --ring --prefix_pool_pages=0 ;;
+    shm) case_ "shared region, no ring" - - --shm ;;
+    grpc) case_ "gRPC bytes" - - ;;
+    mb64) case_ "ring, --max_batch_size=64" - "--max_batch_size=64" --ring ;;
+    *) echo "unknown case $c (ring eager shared shm grpc mb64)"; exit 2 ;;
+  esac
+done
