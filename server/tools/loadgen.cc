@@ -134,8 +134,21 @@ class Checker {
       ++totals_->checked;
       if (!st.ok()) {
         ++totals_->mismatched;
-        std::lock_guard<std::mutex> l(totals_->mu);
-        if (totals_->first_failure.empty()) totals_->first_failure = id + ": " + st.ToString();
+        bool first = false;
+        {
+          std::lock_guard<std::mutex> l(totals_->mu);
+          if (totals_->first_failure.empty()) {
+            totals_->first_failure = id + ": " + st.ToString();
+            first = true;
+          }
+        }
+        if (first && absl::IsDataLoss(st)) {  // a wrong result: what would explain it
+          auto d = ref_->Diagnose(id, item.layer, item.end, (*q_pool_)[item.q_index], s_q_, causal_,
+                                  item.result.out());
+          std::lock_guard<std::mutex> l(totals_->mu);
+          absl::StrAppend(&totals_->first_failure, "\n    ",
+                          d.ok() ? d->ToString(item.end, s_q_) : d.status().ToString());
+        }
       }
     }
   }
