@@ -115,6 +115,23 @@ TEST_F(DiagnoseTest, NamesThePageReadAsZeros) {
   EXPECT_LT(d.zeroed_page_error, 8e-4) << d.ToString(kEnd, 1);
 }
 
+// Two query tokens, causal: the step's last row is seen by its second token only, and
+// the diagnosis keeps the first token's view without it.
+TEST_F(DiagnoseTest, CausalStepsSeeOnlyTheirOwnKeys) {
+  const std::string q2 = RandomHalves(rng_, 2 * kHq * kernels::kHeadDimQK, kernels::DType::kBF16);
+  std::string rows = rows_;
+  std::fill(rows.end() - kRow, rows.end(), '\0');
+  ref_.Append("causal", 0, rows);
+  std::string got, lse;
+  ASSERT_TRUE(ref_.Expected("causal", 0, kEnd, q2, 2, true, &got, &lse).ok());
+  auto d = ref_.Diagnose("real", 0, kEnd, q2, 2, true, got);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->zeroed_row, kEnd - 1);
+  EXPECT_LT(d->zeroed_row_error, 8e-4) << d->ToString(kEnd, 2);
+  EXPECT_FALSE(d->off_heads.empty()) << d->ToString(kEnd, 2);
+  for (const auto& [token, head] : d->off_heads) EXPECT_EQ(token, 1) << "token 0 does not see the last row";
+}
+
 TEST_F(DiagnoseTest, CountsNotFiniteValues) {
   std::string got = OutputOver(rows_);
   got[2 * 600] = '\xff';  // value 600 (head 1): 0xffff, a NaN in bf16
