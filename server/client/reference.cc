@@ -109,27 +109,31 @@ int64_t Reference::Length(const std::string& sequence_id, int layer) const {
   return static_cast<int64_t>(seq->layers[layer].size()) / (int64_t{h_kv_} * kernels::kHeadDimQK);
 }
 
+absl::Status Reference::CopyRows(const std::string& sequence_id, int layer, int64_t end, uint16_t* dst) const {
+  const int64_t row = int64_t{h_kv_} * kernels::kHeadDimQK;
+  std::shared_ptr<Rows> seq = Find(sequence_id);
+  if (seq == nullptr) {
+    return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
+  }
+  std::lock_guard<std::mutex> l(seq->mu);
+  if (layer < 0 || layer >= static_cast<int>(seq->layers.size())) {
+    return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
+  }
+  const auto& v = seq->layers[layer];
+  if (static_cast<int64_t>(v.size()) < end * row) {
+    return absl::OutOfRangeError(absl::StrCat("reference: ", sequence_id, " layer ", layer, " has ", v.size() / row,
+                                              " rows, step needs ", end));
+  }
+  std::memcpy(dst, v.data(), static_cast<size_t>(end * row) * 2);
+  return absl::OkStatus();
+}
+
 absl::Status Reference::Expected(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,
                                  int s_q, bool causal, std::string* out, std::string* lse) {
   const int64_t row = int64_t{h_kv_} * kernels::kHeadDimQK;
   const int64_t pages = std::max<int64_t>(1, (end + kernels::kPageSize - 1) / kernels::kPageSize);
   std::vector<uint16_t> kv(static_cast<size_t>(pages * kernels::kPageSize * row), 0);
-  {
-    std::shared_ptr<Rows> seq = Find(sequence_id);
-    if (seq == nullptr) {
-      return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
-    }
-    std::lock_guard<std::mutex> l(seq->mu);
-    if (layer < 0 || layer >= static_cast<int>(seq->layers.size())) {
-      return absl::NotFoundError(absl::StrCat("reference: no rows for ", sequence_id, " layer ", layer));
-    }
-    const auto& v = seq->layers[layer];
-    if (static_cast<int64_t>(v.size()) < end * row) {
-      return absl::OutOfRangeError(absl::StrCat("reference: ", sequence_id, " layer ", layer, " has ",
-                                                v.size() / row, " rows, step needs ", end));
-    }
-    std::memcpy(kv.data(), v.data(), static_cast<size_t>(end * row) * 2);
-  }
+  if (absl::Status st = CopyRows(sequence_id, layer, end, kv.data()); !st.ok()) return st;
   std::vector<int32_t> table(static_cast<size_t>(pages));
   for (int64_t i = 0; i < pages; ++i) table[i] = static_cast<int32_t>(i);
   const int32_t seqlen = static_cast<int32_t>(end);
@@ -213,15 +217,9 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   }
   std::vector<float> keys(static_cast<size_t>(end * row));
   {
-    std::shared_ptr<Rows> seq = Find(sequence_id);
-    if (seq == nullptr) return absl::NotFoundError(absl::StrCat("diagnose: no rows for ", sequence_id));
-    std::lock_guard<std::mutex> l(seq->mu);
-    if (layer < 0 || layer >= static_cast<int>(seq->layers.size()) ||
-        static_cast<int64_t>(seq->layers[layer].size()) < end * row) {
-      return absl::OutOfRangeError("diagnose: the reference holds fewer rows than the step needs");
-    }
-    const uint16_t* v = seq->layers[layer].data();
-    for (size_t i = 0; i < keys.size(); ++i) keys[i] = kernels::HalfToFloat(dtype_, v[i]);
+    std::vector<uint16_t> rows(keys.size());
+    if (absl::Status st = CopyRows(sequence_id, layer, end, rows.data()); !st.ok()) return st;
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = kernels::HalfToFloat(dtype_, rows[i]);
   }
   const uint16_t* g = reinterpret_cast<const uint16_t*>(got_out.data());
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q.data());

@@ -90,6 +90,8 @@ class Reference {
     std::vector<std::vector<uint16_t>> layers;
   };
   std::shared_ptr<Rows> Find(const std::string& sequence_id) const;  // null when unknown
+  // Rows [0, end) of a sequence's layer into dst (end x h_kv x 576 values).
+  absl::Status CopyRows(const std::string& sequence_id, int layer, int64_t end, uint16_t* dst) const;
   std::shared_ptr<Rows> FindOrAdd(const std::string& sequence_id);
   mutable std::mutex rows_mu_;  // the map only
   std::map<std::string, std::shared_ptr<Rows>> rows_;
