@@ -335,7 +335,13 @@ TEST(StressTest, StreamMemoryShrinksAfterABurst) {
   const int64_t rss1 = RssBytes(daemon.pid());
   std::printf("RSS %.1f MiB before a 1000-step burst, %.1f MiB after it, %.1f MiB once idle\n",
               double(rss0) / kMiB, double(rss_peak) / kMiB, double(rss1) / kMiB);
-  if (!kSanitizerAllocator) EXPECT_LT(rss1 - rss0, 24 * kMiB);
+  // A stream that kept its 1000 slots stays ~110 MiB above rss0 (measured with the spare
+  // slots kept). Trimmed, 2-25 MiB stay (gRPC's call arena and heap pages malloc_trim
+  // cannot return; 25 MiB seen with other tests running beside this one), so the bound
+  // sits between the two rather than at the edge of the trimmed spread.
+  if (!kSanitizerAllocator) {
+    EXPECT_LT(rss1 - rss0, 48 * kMiB);
+  }
   stream->WritesDone();
   while (stream->Read(&resp)) {
   }
