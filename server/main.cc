@@ -37,6 +37,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
+#include "server/lock_order.h"
 #include "server/metrics_exporter.h"
 #include "server/presets.h"
 #include "server/sd_notify.h"
@@ -141,6 +142,9 @@ ABSL_FLAG(int, max_health_watchers, 64,
 ABSL_FLAG(std::string, metrics_listen, "",
           "serve Prometheus metrics (GET /metrics over plain HTTP, no auth) on this literal address, e.g. "
           "127.0.0.1:9464; keep it on loopback or a private network (empty: off)");
+ABSL_FLAG(bool, lock_order_checks, false,
+          "check the lock order of every mutex acquisition and report cycles on stderr "
+          "(debugging; costs a process-wide lock per acquisition)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving (for --listen host:0)");
 
@@ -603,5 +607,6 @@ int main(int argc, char** argv) {
   usage.version_string = [] { return absl::StrCat("latentd ", latentd::server::kVersion, "\n"); };
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  latentd::server::SetLockOrderChecks(absl::GetFlag(FLAGS_lock_order_checks));
   return latentd::server::Run();
 }
