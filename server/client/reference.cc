@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -225,6 +226,7 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q.data());
   const double rel = dtype_ == kernels::DType::kBF16 ? 2.0 / 128 : 2.0 / 1024;
   constexpr int kV = kernels::kHeadDimV, kP = kernels::kPageSize;
+  constexpr int64_t kSplitKeys = 32;  // the planner's partition granularity (kSplitGranularity)
   const int64_t pages = (end + kP - 1) / kP;
   // Largest |got - predicted| under each hypothesis: row k zeroed, row k left out, page p zeroed.
   std::vector<double> zeroed(static_cast<size_t>(end), 0), missing(static_cast<size_t>(end), 0),
@@ -232,6 +234,14 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   std::vector<double> w(static_cast<size_t>(end)), o(kV), got(kV), page_o(static_cast<size_t>(pages) * kV),
       page_w(static_cast<size_t>(pages)), qf(kernels::kHeadDimQK);
   std::vector<int> page_n(static_cast<size_t>(pages));
+  // Split-K candidates: [begin, end) of every partition of every size (multiples of 32
+  // keys below end), and prefix sums over keys of w_k and w_k v_k for their range sums.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t len = kSplitKeys; len < end; len += kSplitKeys)
+    for (int64_t a = 0; a < end; a += len) ranges.emplace_back(a, std::min(end, a + len));
+  std::vector<double> range_lost(ranges.size(), 0), range_values(ranges.size(), 0);
+  std::vector<int> range_lost_rows(ranges.size(), 0), range_values_rows(ranges.size(), 0);
+  std::vector<double> prefix_w(static_cast<size_t>(end) + 1), prefix_o((static_cast<size_t>(end) + 1) * kV);
   for (int t = 0; t < s_q; ++t) {
     // Keys this token sees: all of them, or with causal masking those up to its own.
     const int64_t lim = causal ? end - s_q + t + 1 : end;
@@ -266,6 +276,7 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
       }
       const double z = std::exp(-m);  // the weight of a zero key (score 0)
       bool head_off = false;
+      double as_is = 0;  // this row's largest error as the result is
       for (int d = 0; d < kV; ++d) {
         got[d] = kernels::HalfToFloat(dtype_, g[(size_t(t) * h_q_ + h) * kV + d]);
         if (!std::isfinite(got[d])) {
@@ -274,6 +285,7 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
           continue;
         }
         const double want = o[d] / sum, err = std::abs(got[d] - want);
+        as_is = std::max(as_is, err);
         if (err > std::max(8e-4, rel * std::abs(want))) {
           ++r.off;
           head_off = true;
@@ -310,6 +322,36 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
         for (int d = 0; d < kV; ++d) e = std::max(e, std::abs(got[d] - (o[d] - po[d]) * inv));
         page_zeroed[p] = std::max(page_zeroed[p], e);
       }
+      // Split-K: a partition's keys [a, b) as this token sees them ([a, min(b, lim))).
+      prefix_w[0] = 0;
+      std::fill(prefix_o.begin(), prefix_o.begin() + kV, 0.0);
+      for (int64_t k = 0; k < lim; ++k) {
+        const float* vr = kvh + k * row;
+        const double* prev = prefix_o.data() + k * kV;
+        double* next = prefix_o.data() + (k + 1) * kV;
+        for (int d = 0; d < kV; ++d) next[d] = prev[d] + w[k] * vr[d];
+        prefix_w[k + 1] = prefix_w[k] + w[k];
+      }
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        const int64_t a = std::min(ranges[i].first, lim), b = std::min(ranges[i].second, lim);
+        double el = as_is, ev = as_is;
+        const double wr = prefix_w[b] - prefix_w[a];
+        if (b > a && sum - wr > 0) {
+          const double *ob = prefix_o.data() + b * kV, *oa = prefix_o.data() + a * kV;
+          const double inv_l = 1 / (sum - wr), inv_v = 1 / sum;
+          double e1 = 0, e2 = 0;
+          for (int d = 0; d < kV; ++d) {
+            const double rest = o[d] - (ob[d] - oa[d]);
+            e1 = std::max(e1, std::abs(got[d] - rest * inv_l));
+            e2 = std::max(e2, std::abs(got[d] - rest * inv_v));
+          }
+          // Applied only where it explains this row better than the result as it is.
+          if (head_off && e1 < el) el = e1, ++range_lost_rows[i];
+          if (head_off && e2 < ev) ev = e2, ++range_values_rows[i];
+        }
+        range_lost[i] = std::max(range_lost[i], el);
+        range_values[i] = std::max(range_values[i], ev);
+      }
     }
   }
   auto best = [](const std::vector<double>& v) {
@@ -323,6 +365,15 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
   r.doubled_row_error = doubled[r.doubled_row];
   r.zeroed_page = best(page_zeroed);
   r.zeroed_page_error = page_zeroed[r.zeroed_page];
+  auto best_range = [&](const std::vector<double>& err, const std::vector<int>& rows) {
+    Diagnosis::KeyRange kr;
+    if (ranges.empty()) return kr;
+    const size_t i = static_cast<size_t>(best(err));
+    kr.begin = ranges[i].first, kr.end = ranges[i].second, kr.rows = rows[i], kr.error = err[i];
+    return kr;
+  };
+  r.range_left_out = best_range(range_lost, range_lost_rows);
+  r.range_values_lost = best_range(range_values, range_values_rows);
   return r;
 }
 
@@ -348,6 +399,12 @@ std::string Reference::Diagnosis::ToString(int64_t end, int s_q) const {
                         "leaves %.3g",
                         where(zeroed_row), zeroed_row_error, where(missing_row), missing_row_error,
                         where(doubled_row), doubled_row_error, zeroed_page, zeroed_page_error, extra_zero_key_error);
+  for (const auto& [kr, what] : {std::make_pair(range_left_out, "left out of the split-K merge"),
+                                 std::make_pair(range_values_lost, "with their values lost, weight kept,")}) {
+    if (kr.begin >= 0)
+      absl::StrAppendFormat(&s, "; keys [%d, %d) %s in %d (token, head) rows leave %.3g", kr.begin, kr.end, what,
+                            kr.rows, kr.error);
+  }
   return s;
 }
 

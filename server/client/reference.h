@@ -57,8 +57,14 @@ class Reference {
   // twice", "the page read as zeros" and "one zero key too many" (closed forms over the exact softmax sums, in double), and
   // keeps the best of each with its remaining error beside the error of the result as
   // it is. A stale or misplaced read of one row (e.g. a new row read before it lands)
-  // shows as a remainder near the output's rounding for that row. Diagnostics only:
-  // O(end x s_q x h_q x 512).
+  // shows as a remainder near the output's rounding for that row. A split-K merge that
+  // lost a partition is tried too: for every key range a partition can cover (its size a
+  // multiple of 32 keys, the planner's granularity, starting at a multiple of its size),
+  // "the range left out and the rest renormalised" (its partial's weight lost too) and
+  // "the range's values lost, its weight kept" (a partial read before its stores were
+  // visible), each in only the (token, head) rows where it explains more than the result
+  // as it is, since a merge fault can hit one row tile and not another. Diagnostics only:
+  // O(end x s_q x h_q x 512 x log(end / 32)).
   struct Diagnosis {
     int64_t values = 0, off = 0, not_finite = 0;  // values out of tolerance, and not finite
     double max_error = 0;                          // of the result as it is
@@ -69,6 +75,14 @@ class Reference {
     // past the end read, unmasked, from a pool still holding zeros).
     double zeroed_row_error = 0, missing_row_error = 0, doubled_row_error = 0, zeroed_page_error = 0,
            extra_zero_key_error = 0;
+    // Key ranges [begin, end) of the best split-K explanations, the (token, head) rows
+    // they were applied to, and what they leave (over all rows, the others as they are).
+    struct KeyRange {
+      int64_t begin = -1, end = -1;
+      int rows = 0;
+      double error = 0;
+    };
+    KeyRange range_left_out, range_values_lost;
     std::string ToString(int64_t end, int s_q) const;
   };
   absl::StatusOr<Diagnosis> Diagnose(const std::string& sequence_id, int layer, int64_t end, absl::string_view q,

@@ -1,6 +1,7 @@
 // Reference::Diagnose: a result computed over the rows with one row zeroed, one left out
-// or one page zeroed is traced back to that row or page, with a remainder near the
-// output's rounding; the correct result leaves nothing out of tolerance.
+// or one page zeroed, or merged without one split-K partition, is traced back to that
+// row, page or key range with a remainder near the output's rounding; the correct result
+// leaves nothing out of tolerance.
 #include "server/client/reference.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <random>
 #include <string>
 
+#include "kernels/cpu/half.h"
 #include "kernels/params.h"
 
 namespace latentd::client {
@@ -141,6 +143,55 @@ TEST_F(DiagnoseTest, CountsNotFiniteValues) {
   ASSERT_EQ(d.off_heads.size(), 1u);
   EXPECT_EQ(d.off_heads[0], std::make_pair(0, 1));
   EXPECT_NE(d.ToString(kEnd, 1).find("not finite"), std::string::npos);
+}
+
+// A split-K merge that lost partition [64, 128) (64-key partitions) in one row (head 3):
+// that head is the output over the other keys, renormalised; the others are right.
+TEST_F(DiagnoseTest, NamesThePartitionLeftOutOfTheMerge) {
+  std::string got = OutputOver(rows_);
+  const std::string without = OutputOver(rows_.substr(0, 64 * kRow) + rows_.substr(128 * kRow));
+  const size_t head = 2 * kernels::kHeadDimV;  // bytes per head of out
+  got.replace(3 * head, head, without, 3 * head, head);
+  const Reference::Diagnosis d = Diagnose(got);
+  ASSERT_EQ(d.off_heads.size(), 1u) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_left_out.begin, 64) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_left_out.end, 128) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_left_out.rows, 1);
+  EXPECT_LT(d.range_left_out.error, 8e-4) << d.ToString(kEnd, 1);
+  EXPECT_GT(d.max_error, 5 * d.range_left_out.error) << d.ToString(kEnd, 1);
+  EXPECT_NE(d.ToString(kEnd, 1).find("keys [64, 128) left out of the split-K merge in 1 (token, head) rows"),
+            std::string::npos)
+      << d.ToString(kEnd, 1);
+}
+
+// A merge that read partition [96, 128)'s output before its stores were visible (zeros)
+// but its lse after: heads 5 and 9 are out_all - out_range * exp(lse_range - lse_all).
+TEST_F(DiagnoseTest, NamesThePartitionWhoseValuesWereLost) {
+  std::string all, all_lse, part, part_lse;
+  ASSERT_TRUE(ref_.Expected("real", 0, kEnd, q_, 1, true, &all, &all_lse).ok());
+  ref_.Append("range", 0, rows_.substr(96 * kRow, 32 * kRow));
+  ASSERT_TRUE(ref_.Expected("range", 0, 32, q_, 1, true, &part, &part_lse).ok());
+  const auto dt = kernels::DType::kBF16;
+  auto* g = reinterpret_cast<uint16_t*>(all.data());
+  const auto* pr = reinterpret_cast<const uint16_t*>(part.data());
+  const auto* la = reinterpret_cast<const float*>(all_lse.data());
+  const auto* lr = reinterpret_cast<const float*>(part_lse.data());
+  for (int h : {5, 9}) {
+    const double f = std::exp(double(lr[h]) - la[h]);
+    for (int d = 0; d < kernels::kHeadDimV; ++d) {
+      uint16_t& v = g[h * kernels::kHeadDimV + d];
+      v = kernels::FloatToHalf(dt, float(kernels::HalfToFloat(dt, v) -
+                                         f * kernels::HalfToFloat(dt, pr[h * kernels::kHeadDimV + d])));
+    }
+  }
+  const Reference::Diagnosis d = Diagnose(all);
+  ASSERT_EQ(d.off_heads.size(), 2u) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_values_lost.begin, 96) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_values_lost.end, 128) << d.ToString(kEnd, 1);
+  EXPECT_EQ(d.range_values_lost.rows, 2);
+  // Three bf16 roundings (two outputs and the difference) stay near one ulp.
+  EXPECT_LT(d.range_values_lost.error, 1e-3) << d.ToString(kEnd, 1);
+  EXPECT_GT(d.max_error, 5 * d.range_values_lost.error) << d.ToString(kEnd, 1);
 }
 
 TEST_F(DiagnoseTest, RefusesWhatDoesNotFit) {
