@@ -190,6 +190,21 @@ Status CpuMlaDecoder::Run(const MlaDecodeParams& p) {
     if (partial_acc_.size() < acc_size) partial_acc_.resize(acc_size);
     if (partial_ml_.size() < size_t(partials) * rows * 2) partial_ml_.resize(size_t(partials) * rows * 2);
   }
+  // Every thread's scratch sized here, on the caller, for this call's rows: a worker that
+  // takes its first item of a larger shape then allocates nothing while the call runs.
+  for (Scratch& s : scratch_) {
+    const size_t n = size_t(rows);
+    if (s.q.size() < n * kHeadDimQK) s.q.resize(n * kHeadDimQK);
+    if (s.scores.size() < n * kPageSize) s.scores.resize(n * kPageSize);
+    if (s.acc.capacity() < n * kHeadDimV) s.acc.reserve(n * kHeadDimV);
+    if (s.m.capacity() < n) s.m.reserve(n);
+    if (s.l.capacity() < n) s.l.reserve(n);
+    if (s.limit.size() < n) s.limit.resize(n);
+    if (s.visible.size() < n) s.visible.resize(n);
+    if (s.k.size() < size_t(kPageSize) * kHeadDimQK) s.k.resize(size_t(kPageSize) * kHeadDimQK);
+    if (p.kv_dtype == KvDType::kFp8E4M3 && s.kv16.size() < size_t(kPageSize) * kHeadDimQK)
+      s.kv16.resize(size_t(kPageSize) * kHeadDimQK);
+  }
   ParallelFor(static_cast<int>(items_.size()), [&](int i, int t) { RunItem(p, items_[i], scratch_[t]); });
   if (partials > 0) {
     ParallelFor(pairs, [&](int i, int) {
