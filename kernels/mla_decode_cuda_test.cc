@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -412,6 +413,103 @@ TEST(GpuDecode, WorkspaceReuse) {
   g_fused_mode = 2;
   for (int kps : {256, 256}) Check(small, rng, kps, false);
   g_fused_mode = 0;
+}
+
+// Calls queued back to back on one stream, with no synchronisation between them, two
+// problems taking turns over one workspace: the merge of each call must read only its
+// own call's partials, never what the previous call left there (a combine launched as
+// a programmatic dependent without its griddepcontrol.wait did, now and then: wrong
+// column chunks in a few rows). Every call's result must equal, bit for bit, the same
+// problem's first result, which must match the CPU implementation. Both merges: the
+// combine kernel and the fused one (arrival counters reused call after call).
+TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
+  SKIP_WITHOUT_GPU();
+  Gpu& g = TheGpu();
+  std::mt19937_64 rng(17);
+  constexpr int kCalls = 150;  // per problem and merge
+  struct Dev {
+    Problem pr;
+    MlaDecodeParams p;
+    DecodePlan plan;
+    std::vector<void*> bufs;
+  };
+  auto make = [&](bool fused, Dev* d) {
+    ProblemShape s;
+    s.batch = 64;
+    s.h_q = 16;
+    s.seqlens = Lengths(64, 4096, true, rng);
+    for (int& x : s.seqlens) x = std::max(x, 600);  // every sequence split
+    d->pr = MakeProblem(s, rng);
+    d->p = d->pr.Params();
+    auto up = [&](const void* src, size_t bytes) -> void* {
+      void* ptr = nullptr;
+      if (cudaMalloc(&ptr, std::max<size_t>(bytes, 256)) != cudaSuccess) return nullptr;
+      d->bufs.push_back(ptr);
+      cudaMemcpy(ptr, src, bytes, cudaMemcpyHostToDevice);
+      return ptr;
+    };
+    d->p.q = up(d->pr.q.data(), d->pr.q.size() * 2);
+    d->p.kv = up(d->pr.kv.data(), d->pr.kv.size() * 2);
+    d->p.block_table = static_cast<const int32_t*>(up(d->pr.block_table.data(), d->pr.block_table.size() * 4));
+    d->p.seqlens = static_cast<const int32_t*>(up(d->pr.seqlens.data(), d->pr.seqlens.size() * 4));
+    ASSERT_TRUE(d->p.q && d->p.kv && d->p.block_table && d->p.seqlens) << "cudaMalloc failed";
+    Status st = PlanDecode(g.dev, d->p, d->pr.seqlens.data(), &d->plan);
+    ASSERT_TRUE(st.ok()) << st.message;
+    d->plan.fused_combine = fused;
+  };
+  for (bool fused : {false, true}) {
+    Dev a, b;
+    make(fused, &a);
+    make(fused, &b);
+    if (HasFatalFailure()) return;
+    ASSERT_GT(a.plan.num_splits, 1) << "the test needs split plans";
+    const size_t out_bytes = a.pr.out.size() * 2, lse_bytes = a.pr.lse.size() * 4;
+    const size_t ws_bytes = std::max(DecodeWorkspaceBytes(a.p, a.plan), DecodeWorkspaceBytes(b.p, b.plan));
+    void* ws = g.ws.Get(ws_bytes);
+    char* outs = nullptr;
+    ASSERT_NE(ws, nullptr);
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&outs), 2 * kCalls * (out_bytes + lse_bytes)));
+    CUDA_OK(cudaMemset(ws, 0xff, ws_bytes));
+    Status st = InitDecodeWorkspace(ws, ws_bytes, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    CUDA_OK(cudaMemset(outs, 0xff, 2 * kCalls * (out_bytes + lse_bytes)));
+    for (int i = 0; i < 2 * kCalls; ++i) {
+      Dev& d = i % 2 ? b : a;
+      MlaDecodeParams p = d.p;
+      p.out = outs + size_t(i) * (out_bytes + lse_bytes);
+      p.lse = reinterpret_cast<float*>(outs + size_t(i) * (out_bytes + lse_bytes) + out_bytes);
+      st = LaunchDecode(p, d.plan, ws, ws_bytes, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message;
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<char> host(2 * kCalls * (out_bytes + lse_bytes));
+    CUDA_OK(cudaMemcpy(host.data(), outs, host.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(outs));
+    int differ = 0;
+    for (int i = 2; i < 2 * kCalls; ++i)
+      if (std::memcmp(host.data() + size_t(i) * (out_bytes + lse_bytes),
+                      host.data() + size_t(i % 2) * (out_bytes + lse_bytes), out_bytes + lse_bytes) != 0)
+        ++differ;
+    std::printf("%s merge: %d of %d calls differ from their problem's first result (splits %d)\n",
+                fused ? "fused" : "kernel", differ, 2 * kCalls - 2, a.plan.num_splits);
+    EXPECT_EQ(differ, 0) << (fused ? "fused merge" : "combine kernel");
+    for (int k = 0; k < 2; ++k) {  // the first results against the CPU implementation
+      Dev& d = k ? b : a;
+      std::vector<uint16_t> out(d.pr.out.size());
+      std::vector<float> lse(d.pr.lse.size());
+      std::memcpy(out.data(), host.data() + size_t(k) * (out_bytes + lse_bytes), out_bytes);
+      std::memcpy(lse.data(), host.data() + size_t(k) * (out_bytes + lse_bytes) + out_bytes, lse_bytes);
+      st = g.cpu.Run(d.pr.Params());
+      ASSERT_TRUE(st.ok()) << st.message;
+      std::vector<double> ref_out(d.pr.out.size()), ref_lse(d.pr.lse.size());
+      for (size_t i = 0; i < d.pr.out.size(); ++i) ref_out[i] = HalfToFloat(DType::kBF16, d.pr.out[i]);
+      for (size_t i = 0; i < d.pr.lse.size(); ++i) ref_lse[i] = d.pr.lse[i];
+      const auto c = testing::Compare(d.pr, out, lse, ref_out, ref_lse);
+      EXPECT_TRUE(c.ok) << c.first_failure;
+    }
+    for (Dev* d : {&a, &b})
+      for (void* ptr : d->bufs) cudaFree(ptr);
+  }
 }
 
 TEST(GpuDecode, LongSequences) {

@@ -7,8 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 
 #include "kernels/sm80/launch.h"
 
@@ -152,9 +153,17 @@ __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const Com
   if (blockIdx.y == 0 && lane == 0) p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
 }
 
-// Whether the current device runs programmatic dependent launches (SM90 and up), one
-// driver query per device.
-bool DeviceHasPdl() {
+// Whether the combine kernel may launch as a programmatic dependent of the decode kernel:
+// the device runs programmatic dependent launches (SM90 and up) and the combine kernel's
+// machine code holds its griddepcontrol.wait. Only PTX for compute_90 and up can carry
+// that instruction; machine code for sm_90 built from compute_80 PTX (how the decode
+// kernels themselves are built) has it compiled out, and a dependent launch of such a
+// combine could then start as the decode grid's last CTAs exit and read partials whose
+// stores were not yet visible: wrong columns in a few rows, now and then.
+// LATENTD_COMBINE_PDL=0 never launches it so; =1 always does where the device can, wait
+// or not: a testing aid that brings that race back (docs/testing.md).
+// One query per device.
+bool CombineUsesPdl() {
   static std::atomic<uint64_t> known{0}, yes{0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return false;
@@ -162,9 +171,17 @@ bool DeviceHasPdl() {
   if (known.load(std::memory_order_acquire) & bit) return (yes.load(std::memory_order_relaxed) & bit) != 0;
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  if (major >= 9) yes.fetch_or(bit, std::memory_order_relaxed);
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, CombineKernel<DType::kBF16>) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  bool use = major >= 9 && attr.ptxVersion >= 90;
+  if (const char* env = std::getenv("LATENTD_COMBINE_PDL"); env != nullptr && (env[0] == '0' || env[0] == '1'))
+    use = major >= 9 && env[0] == '1';
+  if (use) yes.fetch_or(bit, std::memory_order_relaxed);
   known.fetch_or(bit, std::memory_order_acq_rel);
-  return major >= 9;
+  return use;
 }
 
 }  // namespace
@@ -183,13 +200,14 @@ cudaError_t LaunchCombineKernel(const CombineArgs& args, cudaStream_t stream) {
   cfg.blockDim = dim3(32 * warps, rows_per_cta);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
-  // SM90: launched while the decode kernel still runs (it waits in griddepcontrol.wait),
-  // so the launch latency overlaps the decode kernel's tail.
+  // SM90 with the wait compiled in (CombineUsesPdl): launched while the decode kernel
+  // still runs (it waits in griddepcontrol.wait), so the launch latency overlaps the
+  // decode kernel's tail.
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = DeviceHasPdl() ? 1 : 0;
+  cfg.numAttrs = CombineUsesPdl() ? 1 : 0;
   if (args.p.dtype == DType::kBF16) return cudaLaunchKernelEx(&cfg, CombineKernel<DType::kBF16>, args);
   if (args.p.dtype == DType::kFP16) return cudaLaunchKernelEx(&cfg, CombineKernel<DType::kFP16>, args);
   return cudaErrorInvalidValue;
