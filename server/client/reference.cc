@@ -276,6 +276,7 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
       }
       const double z = std::exp(-m);  // the weight of a zero key (score 0)
       bool head_off = false;
+      Diagnosis::OffDims dims;
       double as_is = 0;  // this row's largest error as the result is
       for (int d = 0; d < kV; ++d) {
         got[d] = kernels::HalfToFloat(dtype_, g[(size_t(t) * h_q_ + h) * kV + d]);
@@ -288,6 +289,8 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
         as_is = std::max(as_is, err);
         if (err > std::max(8e-4, rel * std::abs(want))) {
           ++r.off;
+          if (dims.values++ == 0) dims.first = d;
+          dims.last = d;
           head_off = true;
         }
         if (err > r.max_error) {
@@ -295,7 +298,10 @@ absl::StatusOr<Reference::Diagnosis> Reference::Diagnose(const std::string& sequ
           r.worst_token = t, r.worst_head = h, r.worst_dim = d;
         }
       }
-      if (head_off) r.off_heads.emplace_back(t, h);
+      if (head_off) {
+        r.off_heads.emplace_back(t, h);
+        r.off_dims.push_back(dims);
+      }
       for (int64_t k = 0; k < end; ++k) {
         const float* vr = kvh + k * row;
         const bool seen = k < lim;
@@ -384,8 +390,11 @@ std::string Reference::Diagnosis::ToString(int64_t end, int s_q) const {
                         worst_dim);
   if (!off_heads.empty()) {
     absl::StrAppend(&s, "; (token, head) pairs off: ", off_heads.size(), " (");
-    for (size_t i = 0; i < off_heads.size() && i < 8; ++i)
-      absl::StrAppend(&s, i ? " " : "", off_heads[i].first, ",", off_heads[i].second);
+    for (size_t i = 0; i < off_heads.size() && i < 8; ++i) {
+      absl::StrAppend(&s, i ? "; " : "", off_heads[i].first, ",", off_heads[i].second);
+      if (i < off_dims.size() && off_dims[i].values > 0)
+        absl::StrAppend(&s, ": ", off_dims[i].values, " in dims ", off_dims[i].first, "-", off_dims[i].last);
+    }
     absl::StrAppend(&s, off_heads.size() > 8 ? " ...)" : ")");
   }
   if (not_finite > 0) return s;  // NaN leaves every hypothesis's remainder NaN

@@ -70,6 +70,12 @@ class Reference {
     double max_error = 0;                          // of the result as it is
     int worst_token = 0, worst_head = 0, worst_dim = 0;
     std::vector<std::pair<int, int>> off_heads;    // (token, head) with a value out of tolerance
+    // Per pair of off_heads: its values out of tolerance and the first and last such dim
+    // (column chunks of a row point at a merge or a copy, spread values at the keys).
+    struct OffDims {
+      int values = 0, first = 0, last = 0;
+    };
+    std::vector<OffDims> off_dims;
     int64_t zeroed_row = -1, missing_row = -1, doubled_row = -1, zeroed_page = -1;
     // What each leaves; extra_zero_key: one key of zeros more than the step has (a row
     // past the end read, unmasked, from a pool still holding zeros).

@@ -86,6 +86,26 @@ TEST_F(DiagnoseTest, NamesTheRowReadAsZeros) {
             std::string::npos);
 }
 
+// A merge that took one 64-column chunk of one row from another call's partials: the
+// diagnosis names that (token, head) alone and the chunk's dims, not the whole row.
+TEST_F(DiagnoseTest, NamesTheColumnChunkOfAnOffRow) {
+  std::string got = OutputOver(rows_);
+  const std::string other = OutputOver(RandomHalves(rng_, kEnd * kRow / 2, kernels::DType::kBF16));
+  constexpr int kHead = 3, kFirst = 128, kCols = 64;
+  const size_t at = (size_t(kHead) * kernels::kHeadDimV + kFirst) * 2;
+  got.replace(at, kCols * 2, other, at, kCols * 2);
+  const Reference::Diagnosis d = Diagnose(got);
+  ASSERT_EQ(d.off_heads.size(), 1u);
+  EXPECT_EQ(d.off_heads[0], std::make_pair(0, kHead));
+  ASSERT_EQ(d.off_dims.size(), 1u);
+  EXPECT_GT(d.off_dims[0].values, kCols / 2);  // two random outputs rarely agree within tolerance
+  EXPECT_LE(d.off_dims[0].values, kCols);
+  EXPECT_GE(d.off_dims[0].first, kFirst);
+  EXPECT_LE(d.off_dims[0].last, kFirst + kCols - 1);
+  EXPECT_GE(d.off_dims[0].last - d.off_dims[0].first + 1, d.off_dims[0].values);
+  EXPECT_NE(d.ToString(kEnd, 1).find(" in dims "), std::string::npos) << d.ToString(kEnd, 1);
+}
+
 TEST_F(DiagnoseTest, NamesTheRowLeftOut) {
   const int64_t k = 64;  // the first row of page 1
   std::string rows = rows_.substr(0, k * kRow) + rows_.substr((k + 1) * kRow);
