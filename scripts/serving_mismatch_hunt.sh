@@ -4,8 +4,11 @@
 # with 4 runners x 64 steps per message at --max_batch_size=256, every 4th result checked
 # and each mismatch diagnosed (Reference::Diagnose: which row or page would explain it),
 # varied one factor at a time. Built here, carried with ../shared/tools/bundle.sh.
-#   scripts/serving_mismatch_hunt.sh BUNDLE [CASE...]   (cases: ring eager shared shm grpc mb64; all by default)
+#   scripts/serving_mismatch_hunt.sh BUNDLE [CASE...]   (cases: ring eager shared shm grpc mb64 ab; all but ab by default)
 #   scripts/serving_mismatch_hunt.sh BUNDLE initcheck|memcheck
+# "ab" alternates this build's daemon with latentd_c80, the same daemon built with the
+# combine's "-gencode arch=compute_90,code=sm_90" (kernels/BUILD.bazel) changed to
+# compute_80 and run with LATENTD_COMBINE_PDL=1: the launch that gave wrong results.
 # With "initcheck" it instead runs one small case under compute-sanitizer's initcheck with
 # the pool left unwritten (LATENTD_KV_POISON=uninit): any kernel reading a KV row nobody
 # wrote is named with its address; "memcheck" runs the same case under memcheck.
@@ -48,7 +51,7 @@ case_() {  # label, env (comma-separated or "-"), extra daemon flags (or "-"), r
   local e=(LATENTD_KV_POISON=1) x=()
   [[ $envs != - ]] && IFS=, read -r -a more <<<"$envs" && e+=("${more[@]}")
   [[ $extra != - ]] && read -r -a x <<<"$extra"
-  start_daemon "${e[@]}" "$B/run" latentd "${daemon_flags[@]}" --max_batch_size=256 "${x[@]}"
+  start_daemon "${e[@]}" "$B/run" "${DAEMON:-latentd}" "${daemon_flags[@]}" --max_batch_size=256 "${x[@]}"
   bench "$label: first run on a fresh daemon" "$@"
   bench "$label: second run" "$@"
   kill -TERM $pid; wait $pid
@@ -67,6 +70,10 @@ for c in $cases; do
     shm) case_ "shared region, no ring" - - --shm ;;
     grpc) case_ "gRPC bytes" - - ;;
     mb64) case_ "ring, --max_batch_size=64" - "--max_batch_size=64" --ring ;;
-    *) echo "unknown case $c (ring eager shared shm grpc mb64)"; exit 2 ;;
+    ab) for i in 1 2 3; do  # needs latentd_c80: the combine from compute_80 PTX (no wait)
+          DAEMON=latentd_c80 case_ "ring, combine without its wait, dependent launch forced #$i" LATENTD_COMBINE_PDL=1 - --ring
+          case_ "ring, this build #$i" - - --ring
+        done ;;
+    *) echo "unknown case $c (ring eager shared shm grpc mb64 ab)"; exit 2 ;;
   esac
 done
