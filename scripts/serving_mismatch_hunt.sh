@@ -70,7 +70,7 @@ for c in $cases; do
     shm) case_ "shared region, no ring" - - --shm ;;
     grpc) case_ "gRPC bytes" - - ;;
     mb64) case_ "ring, --max_batch_size=64" - "--max_batch_size=64" --ring ;;
-    ab) for i in 1 2 3; do  # needs latentd_c80: the combine from compute_80 PTX (no wait)
+    ab) for i in $(seq "${AB_PAIRS:-3}"); do  # needs latentd_c80: the combine from compute_80 PTX (no wait)
           DAEMON=latentd_c80 case_ "ring, combine without its wait, dependent launch forced #$i" LATENTD_COMBINE_PDL=1 - --ring
           case_ "ring, this build #$i" - - --ring
         done ;;
