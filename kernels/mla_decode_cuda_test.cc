@@ -482,9 +482,23 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     long differ = 0, compared = 0;
     // Rounds of 2 x kRound calls with no synchronisation inside a round; each round's
     // results are read back and compared with the first round's first two.
+    // LATENTD_BACK_TO_BACK_TRAFFIC_MB: device-to-device copies of that size on a stream of
+    // their own run beside each round, as the serving path's copies run beside its
+    // kernels, so that the decode grid's last stores meet a busy memory system.
+    size_t traffic = 0;
+    if (const char* e = std::getenv("LATENTD_BACK_TO_BACK_TRAFFIC_MB")) traffic = size_t(std::max(0L, std::atol(e))) << 20;
+    char* scratch = nullptr;
+    cudaStream_t side = nullptr;
+    if (traffic) {
+      CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&scratch), 2 * traffic));
+      CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    }
     for (long done = 0; done < calls; done += kRound) {
       const long n = std::min<long>(kRound, calls - done);
       CUDA_OK(cudaMemset(outs, 0xff, 2 * n * slot));
+      for (long i = 0; traffic && i < 2 * n / 8; ++i)
+        CUDA_OK(cudaMemcpyAsync(scratch + (i % 2) * traffic, scratch + (1 - i % 2) * traffic, traffic,
+                                cudaMemcpyDeviceToDevice, side));
       for (long i = 0; i < 2 * n; ++i) {
         Dev& d = i % 2 ? b : a;
         MlaDecodeParams p = d.p;
@@ -504,6 +518,11 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
         if (std::memcmp(host.data() + size_t(i) * slot, first.data() + size_t(i % 2) * slot, slot) != 0) ++differ;
     }
     CUDA_OK(cudaFree(outs));
+    if (traffic) {
+      CUDA_OK(cudaStreamSynchronize(side));
+      CUDA_OK(cudaStreamDestroy(side));
+      CUDA_OK(cudaFree(scratch));
+    }
     std::printf("%s merge: %ld of %ld calls differ from their problem's first result (splits %d)\n",
                 fused ? "fused" : "kernel", differ, compared, a.plan.num_splits);
     EXPECT_EQ(differ, 0) << (fused ? "fused merge" : "combine kernel");
