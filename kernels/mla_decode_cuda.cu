@@ -269,6 +269,16 @@ bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
          int64_t(p.batch) * p.h_kv * plan.row_tiles <= sm80::kMaxFusedStreams;
 }
 
+// Whether the partition CTAs merge among themselves (DecodePlan::coop_merge, round 18):
+// asked for by the plan, 2..kMaxCoopSplits partitions, a counter for every stream, the
+// device can launch cooperatively, and the whole grid is resident at once.
+bool CoopMerges(const MlaDecodeParams& p, const DecodePlan& plan) {
+  const int64_t streams = int64_t(p.batch) * p.h_kv * plan.row_tiles;
+  return plan.coop_merge && plan.num_splits > 1 && plan.num_splits <= sm80::kMaxCoopSplits &&
+         streams <= sm80::kMaxFusedStreams && plan.sm_count > 0 && plan.ctas_per_sm > 0 &&
+         streams * plan.num_splits <= int64_t(plan.ctas_per_sm) * plan.sm_count;
+}
+
 Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
   if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16, 32 or 64 (use PlanDecode)");
   if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
@@ -296,7 +306,12 @@ DecodeArgs MakeArgs(const MlaDecodeParams& p, const DecodePlan& plan, void* work
   if (plan.num_splits > 1) {
     a.o_part = reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes);
     a.lse_part = a.o_part + size_t(p.batch) * plan.num_splits * p.h_q * p.s_q * kHeadDimV;
-    if (FusesCombine(p, plan)) a.counters = static_cast<unsigned int*>(workspace);
+    if (CoopMerges(p, plan)) {
+      a.counters = static_cast<unsigned int*>(workspace);
+      a.coop_merge = 1;
+    } else if (FusesCombine(p, plan)) {
+      a.counters = static_cast<unsigned int*>(workspace);
+    }
   }
   return a;
 }
@@ -317,6 +332,10 @@ Status QueryDevice(int device, DeviceInfo* info) {
   info->max_smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
   info->regs_per_sm = prop.regsPerMultiprocessor;
   info->max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
+  int coop = 0;
+  e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaDeviceGetAttribute(cooperative launch)");
+  info->cooperative_launch = coop != 0;
   std::memcpy(info->name, prop.name, std::min(sizeof(info->name) - 1, std::strlen(prop.name)));
   if (prop.major < 8) return {Code::kUnsupported, std::string("compute capability 8.0 or newer needed, ") + prop.name};
   return Status::Ok();
@@ -347,6 +366,9 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
+  // Only a device that launches cooperatively gets an SM count, so CoopMerges is false
+  // elsewhere whatever the caller sets coop_merge to.
+  r.sm_count = dev.cooperative_launch ? dev.sm_count : 0;
   *plan = r;
   return Status::Ok();
 }
@@ -389,34 +411,55 @@ Status InitDecodeWorkspace(void* workspace, size_t workspace_bytes, cudaStream_t
   return Status::Ok();
 }
 
-Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream) {
+namespace {
+
+cudaError_t LaunchTile(const MlaDecodeParams& p, const DecodePlan& plan, const DecodeArgs& args, cudaStream_t stream) {
+  switch (plan.tile_rows) {
+    case 16:
+      return TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+    case 32:
+      return TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+    case 64:
+      return TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+    default:
+      return cudaErrorInvalidValue;  // CheckPlan rejected every other tile
+  }
+}
+
+// The decode kernel; *merged says whether it merged the partitions itself (nothing left
+// for the combine kernel).
+Status LaunchKernelOnly(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream, bool* merged) {
+  *merged = false;
   Status s = ValidateParams(p);
   if (!s.ok()) return s;
   if (p.batch == 0) return Status::Ok();
   s = CheckPlan(p, plan, workspace_bytes, workspace);
   if (!s.ok()) return s;
-  const DecodeArgs args = MakeArgs(p, plan, workspace);
+  DecodeArgs args = MakeArgs(p, plan, workspace);
   if (!KnownDType(p.dtype)) return {Code::kUnsupported, "dtype: no kernel"};
   if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
     return {Code::kUnsupported, "kv_dtype: no kernel"};
-  cudaError_t e = cudaErrorInvalidValue;
-  switch (plan.tile_rows) {
-    case 16:
-      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-      break;
-    case 32:
-      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-      break;
-    case 64:
-      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-      break;
-    default:
-      return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +
-                             std::to_string(plan.tile_rows));
+  cudaError_t e = LaunchTile(p, plan, args, stream);
+  if (e == cudaErrorCooperativeLaunchTooLarge && args.coop_merge) {
+    // The plan's occupancy is the 16-bit kernel's; an FP8 variant can fit fewer CTAs per
+    // SM. Nothing was launched: run it with partials only and let the combine merge.
+    (void)cudaGetLastError();
+    args.coop_merge = 0;
+    args.counters = nullptr;
+    e = LaunchTile(p, plan, args, stream);
   }
   if (e != cudaSuccess) return CudaStatus(e, "decode kernel launch");
+  *merged = args.counters != nullptr;
   return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  bool merged = false;
+  return LaunchKernelOnly(p, plan, workspace, workspace_bytes, stream, &merged);
 }
 
 Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
@@ -440,8 +483,9 @@ Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* wor
 
 Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream) {
-  Status s = LaunchDecodeKernel(p, plan, workspace, workspace_bytes, stream);
-  if (!s.ok() || FusesCombine(p, plan)) return s;
+  bool merged = false;
+  Status s = LaunchKernelOnly(p, plan, workspace, workspace_bytes, stream, &merged);
+  if (!s.ok() || merged) return s;
   return LaunchCombine(p, plan, workspace, workspace_bytes, stream);
 }
 
