@@ -270,11 +270,14 @@ bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
 }
 
 // Whether the partition CTAs merge among themselves (DecodePlan::coop_merge, round 18):
-// asked for by the plan, 2..kMaxCoopSplits partitions, a counter for every stream, the
-// device can launch cooperatively, and the whole grid is resident at once.
+// asked for by the plan, the 16-row tile (the only one built with it), 2..kMaxCoopSplits
+// partitions, a counter for every stream, and a
+// grid the device holds at once (a later wave would find the first one's CTAs given up
+// waiting and merging alone: correct, but slower than the combine kernel).
 bool CoopMerges(const MlaDecodeParams& p, const DecodePlan& plan) {
   const int64_t streams = int64_t(p.batch) * p.h_kv * plan.row_tiles;
-  return plan.coop_merge && plan.num_splits > 1 && plan.num_splits <= sm80::kMaxCoopSplits &&
+  const bool ring = p.kv_dtype == KvDType::kFp8E4M3 && plan.fp8_ring;  // fewer CTAs per SM than planned
+  return plan.coop_merge && plan.tile_rows == 16 && !ring && plan.num_splits > 1 && plan.num_splits <= sm80::kMaxCoopSplits &&
          streams <= sm80::kMaxFusedStreams && plan.sm_count > 0 && plan.ctas_per_sm > 0 &&
          streams * plan.num_splits <= int64_t(plan.ctas_per_sm) * plan.sm_count;
 }
@@ -309,6 +312,7 @@ DecodeArgs MakeArgs(const MlaDecodeParams& p, const DecodePlan& plan, void* work
     if (CoopMerges(p, plan)) {
       a.counters = static_cast<unsigned int*>(workspace);
       a.coop_merge = 1;
+      a.coop_wait_ns = std::max(0, plan.coop_wait_ns);
     } else if (FusesCombine(p, plan)) {
       a.counters = static_cast<unsigned int*>(workspace);
     }
@@ -332,10 +336,6 @@ Status QueryDevice(int device, DeviceInfo* info) {
   info->max_smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
   info->regs_per_sm = prop.regsPerMultiprocessor;
   info->max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
-  int coop = 0;
-  e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
-  if (e != cudaSuccess) return CudaStatus(e, "cudaDeviceGetAttribute(cooperative launch)");
-  info->cooperative_launch = coop != 0;
   std::memcpy(info->name, prop.name, std::min(sizeof(info->name) - 1, std::strlen(prop.name)));
   if (prop.major < 8) return {Code::kUnsupported, std::string("compute capability 8.0 or newer needed, ") + prop.name};
   return Status::Ok();
@@ -366,9 +366,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
-  // Only a device that launches cooperatively gets an SM count, so CoopMerges is false
-  // elsewhere whatever the caller sets coop_merge to.
-  r.sm_count = dev.cooperative_launch ? dev.sm_count : 0;
+  r.sm_count = dev.sm_count;
   *plan = r;
   return Status::Ok();
 }
@@ -436,19 +434,11 @@ Status LaunchKernelOnly(const MlaDecodeParams& p, const DecodePlan& plan, void* 
   if (p.batch == 0) return Status::Ok();
   s = CheckPlan(p, plan, workspace_bytes, workspace);
   if (!s.ok()) return s;
-  DecodeArgs args = MakeArgs(p, plan, workspace);
+  const DecodeArgs args = MakeArgs(p, plan, workspace);
   if (!KnownDType(p.dtype)) return {Code::kUnsupported, "dtype: no kernel"};
   if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
     return {Code::kUnsupported, "kv_dtype: no kernel"};
-  cudaError_t e = LaunchTile(p, plan, args, stream);
-  if (e == cudaErrorCooperativeLaunchTooLarge && args.coop_merge) {
-    // The plan's occupancy is the 16-bit kernel's; an FP8 variant can fit fewer CTAs per
-    // SM. Nothing was launched: run it with partials only and let the combine merge.
-    (void)cudaGetLastError();
-    args.coop_merge = 0;
-    args.counters = nullptr;
-    e = LaunchTile(p, plan, args, stream);
-  }
+  const cudaError_t e = LaunchTile(p, plan, args, stream);
   if (e != cudaSuccess) return CudaStatus(e, "decode kernel launch");
   *merged = args.counters != nullptr;
   return Status::Ok();

@@ -79,9 +79,11 @@ bool g_fp8_ring = false;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
 // Split-K merge: 0 takes turns call by call between the combine kernel, the fused merge
-// (DecodePlan::fused_combine) and the partitions' cooperative merge
-// (DecodePlan::coop_merge), so every sweep runs all three; 1 always fused; 2 always the
-// combine kernel; 3 always cooperative (plans it does not fit run the combine kernel).
+// (DecodePlan::fused_combine), the partitions' cooperative merge (DecodePlan::coop_merge)
+// and the cooperative merge with no wait (every CTA but the last to arrive gives its
+// share up to that one), so every sweep runs all four; 1 always fused; 2 always the
+// combine kernel; 3 always cooperative; 4 always cooperative with no wait (plans the
+// cooperative merge does not take run the combine kernel).
 int g_fused_mode = 0;
 int g_run_count = 0;
 
@@ -113,9 +115,10 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan, g_force_tile);
   ASSERT_TRUE(s.ok()) << s.message;
   plan.fp8_ring = g_fp8_ring;
-  const int turn = g_fused_mode == 0 ? g_run_count++ % 3 : 0;
+  const int turn = g_fused_mode == 0 ? g_run_count++ % 4 : 0;
   plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && turn == 1);
-  plan.coop_merge = g_fused_mode == 3 || (g_fused_mode == 0 && turn == 2);
+  plan.coop_merge = g_fused_mode >= 3 || (g_fused_mode == 0 && turn >= 2);
+  if (g_fused_mode == 4 || (g_fused_mode == 0 && turn == 3)) plan.coop_wait_ns = 0;
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
   if (force_kps > 0) {
@@ -382,9 +385,11 @@ TEST(GpuDecode, Subset) {
       Check(s, rng);
       Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
       Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
-      g_fused_mode = 3;    // the partitions' cooperative merge, 2-5 partitions per stream
-      Check(s, rng, 64);
-      Check(s, rng, 128);
+      for (int mode : {3, 4}) {  // the partitions' cooperative merge, 2-5 partitions per stream
+        g_fused_mode = mode;
+        Check(s, rng, 64);
+        Check(s, rng, 128);
+      }
       g_fused_mode = 0;
       s.kv_dtype = KvDType::kFp8E4M3;
       for (bool ring : {false, true}) {
@@ -424,6 +429,9 @@ TEST(GpuDecode, WorkspaceReuse) {
   g_fused_mode = 3;  // the cooperative merge's counters, between and after the others'
   for (int kps : {64, 128, 64}) Check(small, rng, kps, false);
   Check(big, rng, 128, false);
+  g_fused_mode = 4;  // no wait: shares given up to the last to arrive
+  for (int kps : {64, 128}) Check(small, rng, kps, false);
+  Check(big, rng, 128, false);
   g_fused_mode = 1;
   Check(small, rng, 128, false);
   g_fused_mode = 3;
@@ -454,7 +462,7 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     DecodePlan plan;
     std::vector<void*> bufs;
   };
-  // merge: 0 the combine kernel, 1 fused, 2 cooperative.
+  // merge: 0 the combine kernel, 1 fused, 2 cooperative, 3 cooperative with no wait.
   auto make = [&](int merge, Dev* d) {
     ProblemShape s;
     s.batch = 64;
@@ -478,10 +486,12 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     Status st = PlanDecode(g.dev, d->p, d->pr.seqlens.data(), &d->plan);
     ASSERT_TRUE(st.ok()) << st.message;
     d->plan.fused_combine = merge == 1;
-    d->plan.coop_merge = merge == 2;
+    d->plan.coop_merge = merge >= 2;
+    if (merge == 3) d->plan.coop_wait_ns = 0;
   };
-  for (int merge : {0, 1, 2}) {
-    const char* name = merge == 0 ? "combine kernel" : merge == 1 ? "fused merge" : "cooperative merge";
+  for (int merge : {0, 1, 2, 3}) {
+    const char* names[] = {"combine kernel", "fused merge", "cooperative merge", "cooperative merge, no wait"};
+    const char* name = names[merge];
     Dev a, b;
     make(merge, &a);
     make(merge, &b);

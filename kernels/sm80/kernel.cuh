@@ -326,107 +326,149 @@ __device__ __forceinline__ unsigned int LoadAcquireGpu(const unsigned int* ptr) 
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
   return v;
 }
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 
 // Split-K merge by the partitions themselves (DecodeArgs::coop_merge, docs/kernel-tuning.md
-// round 18). The launch is cooperative, so every CTA of the grid is resident and a CTA
-// waiting for its siblings cannot keep them from running. Each partition CTA counts
-// itself in once its partials are written (the fence-then-count release of the fused
-// path), waits for all n of its stream, and merges columns [512 s / n, 512 (s+1) / n) of
-// the tile's rows: the n CTAs read the stream's partials back from L2 side by side,
-// where the fused merge's last CTA reads all of them alone. The counter climbs to 2n
-// (arrivals, then departures after the wait); the last departure zeroes it, so it is
-// zero for the next launch and no CTA can still be waiting when it is.
+// round 18). Each partition CTA of a stream counts itself in once its partials are
+// written (the fence-then-count release of the fused path) and waits for the other n-1;
+// then each merges its own share of the columns, [512 s / n, 512 (s+1) / n) of the tile's
+// rows, so the n CTAs read the stream's partials back from L2 side by side, where the
+// fused merge's last CTA reads all of them alone.
+// Waiting for siblings is safe only while they can run, which a plain launch does not
+// promise (a cooperative one does, but measured ~6 us of launch latency). So the wait is
+// bounded: a CTA that has waited coop_wait_ns and still misses siblings abandons its
+// share (sets its bit, only while arrivals < n), and the last CTA to arrive merges its own
+// share and every abandoned one. No CTA ever waits on one that cannot start, and every
+// share is merged once. The stream's counter word: arrivals in bits 0-4, departures
+// (a CTA that will not touch the word again) in bits 5-9, abandoned shares in bits
+// 16-31; the last departure zeroes it for the next launch.
 template <DType kDType, int kRows>
 __device__ __forceinline__ void CoopMergeTail(const DecodeArgs& args, uint8_t* smem_raw) {
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kChunk = 4;  // partitions per round of loads
   constexpr int kItems = 4;  // float4 outputs per thread per round: kChunk x kItems loads in flight
+  static_assert(kMaxCoopSplits <= 16, "arrivals and departures in 5 bits, shares in 16");
   const MlaDecodeParams& p = args.p;
   const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv, split = blockIdx.y;
-  const int n = (p.seqlens[b] + args.keys_per_split - 1) / args.keys_per_split;  // >= 2 here
+  const unsigned n = unsigned((p.seqlens[b] + args.keys_per_split - 1) / args.keys_per_split);  // 2..16 here
   unsigned int* counter = args.counters + int64_t(blockIdx.z) * args.row_tiles + blockIdx.x;
+  unsigned int* shares_out = reinterpret_cast<unsigned int*>(smem_raw);
   __threadfence();
   __syncthreads();  // every thread's partials are fenced; every warp is past the main loop
   if (threadIdx.x == 0) {
-    atomicAdd(counter, 1u);
-    while (LoadAcquireGpu(counter) < unsigned(n)) __nanosleep(64);
-    if (atomicAdd(counter, 1u) == 2u * unsigned(n) - 1u) atomicExch(counter, 0u);
+    const unsigned mine = 1u << split;
+    unsigned w = atomicAdd(counter, 1u) + 1u;
+    unsigned shares = mine;
+    if ((w & 31u) == n) {
+      shares |= w >> 16;  // the last to arrive: its share and every abandoned one
+    } else {
+      const uint64_t start = GlobalTimerNs();
+      while (true) {
+        w = LoadAcquireGpu(counter);
+        if ((w & 31u) >= n) break;  // all arrived: merge my share
+        if (GlobalTimerNs() - start >= uint64_t(args.coop_wait_ns)) {
+          // Abandon my share while someone has yet to arrive; that one merges it.
+          while ((w & 31u) < n) {
+            const unsigned prev = atomicCAS(counter, w, w | (mine << 16));
+            if (prev == w) {
+              shares = 0;
+              break;
+            }
+            w = prev;
+          }
+          break;
+        }
+        __nanosleep(64);
+      }
+    }
+    const unsigned old = atomicAdd(counter, 32u);  // departs: never touches the word again
+    if (((old >> 5) & 31u) == n - 1) atomicExch(counter, 0u);
+    *shares_out = shares;
   }
   __syncthreads();
-  __threadfence();  // order the partial loads after the count that proved them written
+  const unsigned shares = *shares_out;
+  if (shares == 0) return;
+  __threadfence();  // order the partial loads after the counts that proved them written
 
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
   const int row0 = blockIdx.x * kRows, nrows = min(rows_kv - row0, kRows);
   const int64_t prow0 = int64_t(b) * args.num_splits * rows_total + int64_t(kvh) * rows_kv + row0;
-  // Per row: the merged LSE (written by partition 0's CTA) and the partitions' weights
-  // exp(lse_i - lse), into the freed KV stages; rows that saw no keys weigh 0.
-  static_assert(sizeof(float) * kMaxCoopSplits * kRows <= sizeof(uint16_t) * TileConfig<kRows>::kKeys * kHeadDimQK,
+  // Per row: the merged LSE (written by whoever merges share 0) and the partitions'
+  // weights exp(lse_i - lse), after the share word in the freed KV stages; rows that saw
+  // no keys weigh 0.
+  static_assert(sizeof(float) * (kMaxCoopSplits * kRows + 4) <= sizeof(uint16_t) * TileConfig<kRows>::kKeys * kHeadDimQK,
                 "merge weights fit one KV stage");
-  float* w = reinterpret_cast<float*>(smem_raw);
+  float* w = reinterpret_cast<float*>(smem_raw) + 4;
   for (int r = threadIdx.x; r < nrows; r += kCta) {
     float m = -INFINITY;
-    for (int i = 0; i < n; ++i) m = fmaxf(m, __ldcg(args.lse_part + prow0 + int64_t(i) * rows_total + r));
+    for (unsigned i = 0; i < n; ++i) m = fmaxf(m, __ldcg(args.lse_part + prow0 + int64_t(i) * rows_total + r));
     float sum = 0.f;
-    for (int i = 0; i < n; ++i) {
+    for (unsigned i = 0; i < n; ++i) {
       const float l = __ldcg(args.lse_part + prow0 + int64_t(i) * rows_total + r);
       const float e = l == -INFINITY ? 0.f : __expf(l - m);  // m is finite when any l is
       w[i * kRows + r] = e;
       sum += e;
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int i = 0; i < n; ++i) w[i * kRows + r] *= inv;
-    if (split == 0) {
+    for (unsigned i = 0; i < n; ++i) w[i * kRows + r] *= inv;
+    if (shares & 1u) {
       const int row = row0 + r, token = row / group, head = kvh * group + row % group;
       p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] =
           sum > 0.f ? m + logf(sum) : -INFINITY;
     }
   }
   __syncthreads();
-  // This CTA's float4 columns of the 128, for every row of the tile.
-  constexpr int kCols4 = kHeadDimV / 4;
-  const int c0 = split * kCols4 / n, c1 = (split + 1) * kCols4 / n, ncols = c1 - c0;
-  const int total = nrows * ncols;
-  for (int base = threadIdx.x; base < total; base += kCta * kItems) {
-    float4 acc[kItems];
+  constexpr int kCols4 = kHeadDimV / 4;  // float4 columns of a row
+  for (unsigned left = shares; left != 0; left &= left - 1) {
+    const int s = __ffs(left) - 1;
+    const int c0 = s * kCols4 / int(n), c1 = (s + 1) * kCols4 / int(n), ncols = c1 - c0;
+    const int total = nrows * ncols;
+    for (int base = threadIdx.x; base < total; base += kCta * kItems) {
+      float4 acc[kItems];
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = 0; i0 < n; i0 += kChunk) {
-      float4 v[kItems][kChunk];
+      for (int k = 0; k < kItems; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int i0 = 0; i0 < int(n); i0 += kChunk) {
+        float4 v[kItems][kChunk];
 #pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int it = base + k * kCta, r = it / ncols, c = c0 + it % ncols;
+        for (int k = 0; k < kItems; ++k) {
+          const int it = base + k * kCta, r = it / ncols, c = c0 + it % ncols;
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j)
-          v[k][j] = it < total && i0 + j < n
-                        ? __ldcg(reinterpret_cast<const float4*>(
-                              args.o_part + (prow0 + int64_t(i0 + j) * rows_total + r) * kHeadDimV + c * 4))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+          for (int j = 0; j < kChunk; ++j)
+            v[k][j] = it < total && i0 + j < int(n)
+                          ? __ldcg(reinterpret_cast<const float4*>(
+                                args.o_part + (prow0 + int64_t(i0 + j) * rows_total + r) * kHeadDimV + c * 4))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
 #pragma unroll
-      for (int k = 0; k < kItems; ++k) {
-        const int it = base + k * kCta, r = it / ncols;
-        if (it >= total) break;
+        for (int k = 0; k < kItems; ++k) {
+          const int it = base + k * kCta, r = it / ncols;
+          if (it >= total) break;
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j) {
-          if (i0 + j >= n) break;
-          const float c = w[(i0 + j) * kRows + r];
-          acc[k].x = fmaf(c, v[k][j].x, acc[k].x);
-          acc[k].y = fmaf(c, v[k][j].y, acc[k].y);
-          acc[k].z = fmaf(c, v[k][j].z, acc[k].z);
-          acc[k].w = fmaf(c, v[k][j].w, acc[k].w);
+          for (int j = 0; j < kChunk; ++j) {
+            if (i0 + j >= int(n)) break;
+            const float c = w[(i0 + j) * kRows + r];
+            acc[k].x = fmaf(c, v[k][j].x, acc[k].x);
+            acc[k].y = fmaf(c, v[k][j].y, acc[k].y);
+            acc[k].z = fmaf(c, v[k][j].z, acc[k].z);
+            acc[k].w = fmaf(c, v[k][j].w, acc[k].w);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int it = base + k * kCta;
-      if (it >= total) break;
-      const int r = it / ncols, c = c0 + it % ncols;
-      const int row = row0 + r, token = row / group, head = kvh * group + row % group;
-      uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
-                      int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + c * 4;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(Pack2<kDType>(acc[k].x, acc[k].y), Pack2<kDType>(acc[k].z, acc[k].w));
+      for (int k = 0; k < kItems; ++k) {
+        const int it = base + k * kCta;
+        if (it >= total) break;
+        const int r = it / ncols, c = c0 + it % ncols;
+        const int row = row0 + r, token = row / group, head = kvh * group + row % group;
+        uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
+                        int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + c * 4;
+        *reinterpret_cast<uint2*>(dst) =
+            make_uint2(Pack2<kDType>(acc[k].x, acc[k].y), Pack2<kDType>(acc[k].z, acc[k].w));
+      }
     }
   }
 }
@@ -1232,11 +1274,16 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
     }
 
   if (!direct && args.counters != nullptr) {
-    if (args.coop_merge) {
-      CoopMergeTail<kDType, kRows>(args, smem_raw);
-    } else {
-      FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
+    // The cooperative merge only where it pays (the memory-bound 16-row tile, round 18):
+    // compiled into the compute tiles, it moved their register allocation and cost them
+    // 2-5%.
+    if constexpr (kRows == 16) {
+      if (args.coop_merge) {
+        CoopMergeTail<kDType, kRows>(args, smem_raw);
+        return;
+      }
     }
+    FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
   }
 }
 
@@ -1271,21 +1318,6 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing>::Launch(const DecodeArgs& args, c
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  if (args.coop_merge) {
-    // The partition CTAs wait for each other (CoopMergeTail): a cooperative launch
-    // guarantees they are all resident, or fails with cudaErrorCooperativeLaunchTooLarge.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kCtaThreads<kRows>);
-    cfg.dynamicSmemBytes = SmemBytes();
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, MlaDecodeKernel<kDType, kRows, kKv, kRing>, args);
-  }
   MlaDecodeKernel<kDType, kRows, kKv, kRing><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
