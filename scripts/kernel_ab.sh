@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call for a kernel change: the GPU checks of the changed paths, then the
 # benchmark of the base build and of this one (each variant flag) alternating, so that
-# clock drift shifts all alike. Logs go to $OUT (or ./kernel_ab_out); a short table last.
+# clock drift shifts all alike. Logs go to $OUT/kernel_ab.tar.gz (or ./kernel_ab_out); a
+# short table last.
 #   scripts/kernel_ab.sh BUNDLE "GTEST_FILTER" "SANITIZER_FILTER" "VARIANT_FLAGS|..."
 # BUNDLE (../shared/tools/bundle.sh) holds gpu_test, bench and bench_base (the base build).
 set -uo pipefail
 bundle=$1 filter=$2 san_filter=$3 variants=${4:-}
-out=${OUT:-kernel_ab_out}
-mkdir -p "$out"
+final=${OUT:-kernel_ab_out}
+out=$(mktemp -d)  # logs, packed into $final/kernel_ab.tar.gz at the end (few files come back)
+mkdir -p "$final"
+trap 'tar -czf "$final/kernel_ab.tar.gz" -C "$out" .' EXIT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$out/gpu.txt"
 echo "== gpu_test $filter"
 timeout 240 "$bundle/run" gpu_test --gtest_filter="$filter" > "$out/gpu_test.log" 2>&1
