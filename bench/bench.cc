@@ -3,7 +3,7 @@
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
 //   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring]
-//         [--fused_combine] [--coop_merge] [--splits N] [--shape b,h_q,s_k[,s_q]]
+//         [--fused_combine] [--splits N] [--shape b,h_q,s_k[,s_q]]
 // --shape times that one bf16 shape (causal when s_q > 1) instead of the table's rows.
 #include <cuda_runtime.h>
 
@@ -76,7 +76,6 @@ void ForceSplits(DecodePlan* plan, int s_k) {
 }
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
-bool g_coop = false;      // --coop_merge: the partition CTAs merge among themselves (DecodePlan::coop_merge)
 
 constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
 
@@ -154,7 +153,6 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   ForceSplits(&r.plan, c.s_k);
   r.plan.fp8_ring = g_fp8_ring;
   r.plan.fused_combine = g_fused;
-  r.plan.coop_merge = g_coop;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
     std::exit(1);
@@ -181,7 +179,6 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
       ForceSplits(&plan, c.s_k);
       plan.fp8_ring = g_fp8_ring;
       plan.fused_combine = g_fused;
-      plan.coop_merge = g_coop;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
     // The decode kernel alone, on the plan made beforehand, over the next copy of the
@@ -216,7 +213,6 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
     if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
     if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
-    if (!std::strcmp(argv[i], "--coop_merge")) g_coop = true;
     if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
   }
@@ -310,7 +306,6 @@ int Main(int argc, char** argv) {
               g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "",
               g_fp8_ring ? "; fp8 rows: raw-row ring" : "; fp8 rows: dequantized in place");
   if (g_fused) std::printf("2-4 partition plans: merged in the decode kernel (--fused_combine)\n\n");
-  if (g_coop) std::printf("2-16 partition one-wave plans: merged by the partition CTAs (--coop_merge)\n\n");
   std::printf(
       "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");

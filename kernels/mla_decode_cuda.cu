@@ -269,19 +269,6 @@ bool FusesCombine(const MlaDecodeParams& p, const DecodePlan& plan) {
          int64_t(p.batch) * p.h_kv * plan.row_tiles <= sm80::kMaxFusedStreams;
 }
 
-// Whether the partition CTAs merge among themselves (DecodePlan::coop_merge, round 18):
-// asked for by the plan, the 16-row tile (the only one built with it), 2..kMaxCoopSplits
-// partitions, a counter for every stream, and a
-// grid the device holds at once (a later wave would find the first one's CTAs given up
-// waiting and merging alone: correct, but slower than the combine kernel).
-bool CoopMerges(const MlaDecodeParams& p, const DecodePlan& plan) {
-  const int64_t streams = int64_t(p.batch) * p.h_kv * plan.row_tiles;
-  const bool ring = p.kv_dtype == KvDType::kFp8E4M3 && plan.fp8_ring;  // fewer CTAs per SM than planned
-  return plan.coop_merge && plan.tile_rows == 16 && !ring && plan.num_splits > 1 && plan.num_splits <= sm80::kMaxCoopSplits &&
-         streams <= sm80::kMaxFusedStreams && plan.sm_count > 0 && plan.ctas_per_sm > 0 &&
-         streams * plan.num_splits <= int64_t(plan.ctas_per_sm) * plan.sm_count;
-}
-
 Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t workspace_bytes, const void* workspace) {
   if (TileIndex(plan.tile_rows) < 0) return Status::Invalid("plan.tile_rows: expected 16, 32 or 64 (use PlanDecode)");
   if (plan.num_splits < 1 || plan.num_splits > 65535) return Status::Invalid("plan.num_splits: expected 1..65535");
@@ -309,13 +296,7 @@ DecodeArgs MakeArgs(const MlaDecodeParams& p, const DecodePlan& plan, void* work
   if (plan.num_splits > 1) {
     a.o_part = reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes);
     a.lse_part = a.o_part + size_t(p.batch) * plan.num_splits * p.h_q * p.s_q * kHeadDimV;
-    if (CoopMerges(p, plan)) {
-      a.counters = static_cast<unsigned int*>(workspace);
-      a.coop_merge = 1;
-      a.coop_wait_ns = std::max(0, plan.coop_wait_ns);
-    } else if (FusesCombine(p, plan)) {
-      a.counters = static_cast<unsigned int*>(workspace);
-    }
+    if (FusesCombine(p, plan)) a.counters = static_cast<unsigned int*>(workspace);
   }
   return a;
 }
@@ -366,7 +347,6 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
-  r.sm_count = dev.sm_count;
   *plan = r;
   return Status::Ok();
 }
@@ -409,26 +389,8 @@ Status InitDecodeWorkspace(void* workspace, size_t workspace_bytes, cudaStream_t
   return Status::Ok();
 }
 
-namespace {
-
-cudaError_t LaunchTile(const MlaDecodeParams& p, const DecodePlan& plan, const DecodeArgs& args, cudaStream_t stream) {
-  switch (plan.tile_rows) {
-    case 16:
-      return TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-    case 32:
-      return TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-    case 64:
-      return TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
-    default:
-      return cudaErrorInvalidValue;  // CheckPlan rejected every other tile
-  }
-}
-
-// The decode kernel; *merged says whether it merged the partitions itself (nothing left
-// for the combine kernel).
-Status LaunchKernelOnly(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream, bool* merged) {
-  *merged = false;
+Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
   Status s = ValidateParams(p);
   if (!s.ok()) return s;
   if (p.batch == 0) return Status::Ok();
@@ -438,18 +400,23 @@ Status LaunchKernelOnly(const MlaDecodeParams& p, const DecodePlan& plan, void* 
   if (!KnownDType(p.dtype)) return {Code::kUnsupported, "dtype: no kernel"};
   if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
     return {Code::kUnsupported, "kv_dtype: no kernel"};
-  const cudaError_t e = LaunchTile(p, plan, args, stream);
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (plan.tile_rows) {
+    case 16:
+      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      break;
+    case 32:
+      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      break;
+    case 64:
+      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      break;
+    default:
+      return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +
+                             std::to_string(plan.tile_rows));
+  }
   if (e != cudaSuccess) return CudaStatus(e, "decode kernel launch");
-  *merged = args.counters != nullptr;
   return Status::Ok();
-}
-
-}  // namespace
-
-Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream) {
-  bool merged = false;
-  return LaunchKernelOnly(p, plan, workspace, workspace_bytes, stream, &merged);
 }
 
 Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
@@ -473,9 +440,8 @@ Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* wor
 
 Status LaunchDecode(const MlaDecodeParams& p, const DecodePlan& plan, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream) {
-  bool merged = false;
-  Status s = LaunchKernelOnly(p, plan, workspace, workspace_bytes, stream, &merged);
-  if (!s.ok() || merged) return s;
+  Status s = LaunchDecodeKernel(p, plan, workspace, workspace_bytes, stream);
+  if (!s.ok() || FusesCombine(p, plan)) return s;
   return LaunchCombine(p, plan, workspace, workspace_bytes, stream);
 }
 

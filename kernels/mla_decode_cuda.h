@@ -49,16 +49,6 @@ struct DecodePlan {
   // while the decode kernel runs and measured 1.5-3.5% faster on those plans.
   // Selectable for benchmarks and tests; the workspace is the same either way.
   bool fused_combine = false;
-  // 16-row tile plans of 2-16 partitions per stream whose grid fits the device at once: true
-  // merges them inside the decode kernel, every partition CTA of a stream merging its
-  // own share of the 512 columns once all of the stream's partials are written
-  // (docs/kernel-tuning.md, round 18). A CTA waits at most coop_wait_ns for its
-  // siblings; past that it leaves its share to the last of them to arrive, so the merge
-  // never depends on CTAs being resident together. Plans that do not qualify run the
-  // combine kernel. Takes precedence over fused_combine.
-  bool coop_merge = false;
-  int coop_wait_ns = 20000;
-  int sm_count = 0;  // the device's SMs, from PlanDecode: with ctas_per_sm, what fits at once
 };
 
 // Chooses the tile configuration and cuts sequences into split-K partitions from the

@@ -78,12 +78,8 @@ Gpu& TheGpu() {
 bool g_fp8_ring = false;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
-// Split-K merge: 0 takes turns call by call between the combine kernel, the fused merge
-// (DecodePlan::fused_combine), the partitions' cooperative merge (DecodePlan::coop_merge)
-// and the cooperative merge with no wait (every CTA but the last to arrive gives its
-// share up to that one), so every sweep runs all four; 1 always fused; 2 always the
-// combine kernel; 3 always cooperative; 4 always cooperative with no wait (plans the
-// cooperative merge does not take run the combine kernel).
+// Split-K merge (DecodePlan::fused_combine): 0 alternates call by call, so every sweep
+// runs both the fused merge and the combine kernel; 1 always fused; 2 never.
 int g_fused_mode = 0;
 int g_run_count = 0;
 
@@ -115,10 +111,7 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan, g_force_tile);
   ASSERT_TRUE(s.ok()) << s.message;
   plan.fp8_ring = g_fp8_ring;
-  const int turn = g_fused_mode == 0 ? g_run_count++ % 4 : 0;
-  plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && turn == 1);
-  plan.coop_merge = g_fused_mode >= 3 || (g_fused_mode == 0 && turn >= 2);
-  if (g_fused_mode == 4 || (g_fused_mode == 0 && turn == 3)) plan.coop_wait_ns = 0;
+  plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && (g_run_count++ % 2) == 0);
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
   if (force_kps > 0) {
@@ -385,12 +378,6 @@ TEST(GpuDecode, Subset) {
       Check(s, rng);
       Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
       Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
-      for (int mode : {3, 4}) {  // the partitions' cooperative merge, 2-5 partitions per stream
-        g_fused_mode = mode;
-        Check(s, rng, 64);
-        Check(s, rng, 128);
-      }
-      g_fused_mode = 0;
       s.kv_dtype = KvDType::kFp8E4M3;
       for (bool ring : {false, true}) {
         g_fp8_ring = ring;
@@ -426,16 +413,6 @@ TEST(GpuDecode, WorkspaceReuse) {
   for (int kps : {64, 256, 256}) Check(small, rng, kps, false);
   g_fused_mode = 2;
   for (int kps : {256, 256}) Check(small, rng, kps, false);
-  g_fused_mode = 3;  // the cooperative merge's counters, between and after the others'
-  for (int kps : {64, 128, 64}) Check(small, rng, kps, false);
-  Check(big, rng, 128, false);
-  g_fused_mode = 4;  // no wait: shares given up to the last to arrive
-  for (int kps : {64, 128}) Check(small, rng, kps, false);
-  Check(big, rng, 128, false);
-  g_fused_mode = 1;
-  Check(small, rng, 128, false);
-  g_fused_mode = 3;
-  Check(small, rng, 256, false);
   g_fused_mode = 0;
 }
 
@@ -445,8 +422,7 @@ TEST(GpuDecode, WorkspaceReuse) {
 // a programmatic dependent without its griddepcontrol.wait did, now and then: wrong
 // column chunks in a few rows). Every call's result must equal, bit for bit, the same
 // problem's first result, which must match the CPU implementation. Both merges: the
-// combine kernel, the fused one and the cooperative one (arrival counters reused call
-// after call).
+// combine kernel and the fused one (arrival counters reused call after call).
 TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
   SKIP_WITHOUT_GPU();
   Gpu& g = TheGpu();
@@ -462,8 +438,7 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     DecodePlan plan;
     std::vector<void*> bufs;
   };
-  // merge: 0 the combine kernel, 1 fused, 2 cooperative, 3 cooperative with no wait.
-  auto make = [&](int merge, Dev* d) {
+  auto make = [&](bool fused, Dev* d) {
     ProblemShape s;
     s.batch = 64;
     s.h_q = 16;
@@ -485,16 +460,12 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     ASSERT_TRUE(d->p.q && d->p.kv && d->p.block_table && d->p.seqlens) << "cudaMalloc failed";
     Status st = PlanDecode(g.dev, d->p, d->pr.seqlens.data(), &d->plan);
     ASSERT_TRUE(st.ok()) << st.message;
-    d->plan.fused_combine = merge == 1;
-    d->plan.coop_merge = merge >= 2;
-    if (merge == 3) d->plan.coop_wait_ns = 0;
+    d->plan.fused_combine = fused;
   };
-  for (int merge : {0, 1, 2, 3}) {
-    const char* names[] = {"combine kernel", "fused merge", "cooperative merge", "cooperative merge, no wait"};
-    const char* name = names[merge];
+  for (bool fused : {false, true}) {
     Dev a, b;
-    make(merge, &a);
-    make(merge, &b);
+    make(fused, &a);
+    make(fused, &b);
     if (HasFatalFailure()) return;
     ASSERT_GT(a.plan.num_splits, 1) << "the test needs split plans";
     const size_t out_bytes = a.pr.out.size() * 2, lse_bytes = a.pr.lse.size() * 4;
@@ -552,9 +523,9 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
       CUDA_OK(cudaStreamDestroy(side));
       CUDA_OK(cudaFree(scratch));
     }
-    std::printf("%s: %ld of %ld calls differ from their problem's first result (splits %d)\n", name, differ,
-                compared, a.plan.num_splits);
-    EXPECT_EQ(differ, 0) << name;
+    std::printf("%s merge: %ld of %ld calls differ from their problem's first result (splits %d)\n",
+                fused ? "fused" : "kernel", differ, compared, a.plan.num_splits);
+    EXPECT_EQ(differ, 0) << (fused ? "fused merge" : "combine kernel");
     std::memcpy(host.data(), first.data(), 2 * slot);
     for (int k = 0; k < 2; ++k) {  // the first results against the CPU implementation
       Dev& d = k ? b : a;

@@ -132,10 +132,6 @@ inline constexpr int kMaxFusedPartialRows = LATENTD_MAX_FUSED_PARTIAL_ROWS;
 #define LATENTD_MAX_FUSED_SPLITS 4
 #endif
 inline constexpr int kMaxFusedSplits = LATENTD_MAX_FUSED_SPLITS;
-// Split-K merge by the partition CTAs themselves (DecodePlan::coop_merge): at most this
-// many partitions per stream, so each CTA's share is at least 8 float4 columns and its
-// merge weights (partitions x rows) fit the freed KV stages.
-inline constexpr int kMaxCoopSplits = 16;
 // Arrival counters of the fused combine: one per (sequence, KV head, row tile), at the
 // start of the workspace; plans with more of these streams use the combine kernel.
 inline constexpr int kMaxFusedStreams = 4096;

@@ -20,11 +20,6 @@ struct DecodeArgs {
   // launches (the last arriver resets its own); null = partials only, the combine
   // kernel merges them.
   unsigned int* counters = nullptr;
-  // With counters: 1 = every partition CTA merges its share of the columns once the
-  // stream's partials are all written, or leaves it to the last to arrive after waiting
-  // coop_wait_ns for the others (kernel.cuh, CoopMergeTail); 0 = the last CTA merges all.
-  int coop_merge = 0;
-  int coop_wait_ns = 0;
 };
 
 // Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline) instantiation:
