@@ -34,13 +34,15 @@ bench_new() {  # every variant once, in order, then again in reverse order
     echo "${v:-(default)}" > "$out/bench-new-$run.flags"
   done
 }
+# BASE_FIRST=1: the base build also runs first (two base runs around the variants).
+[[ ${BASE_FIRST:-0} == 1 ]] && timeout 100 "$bundle/run" bench_base --runs "$runs" > "$out/bench-base-0.log" 2>&1
 bench_new "${flags[@]}"
 timeout 100 "$bundle/run" bench_base --runs "$runs" > "$out/bench-base-1.log" 2>&1
 rev=()
 for ((i = ${#flags[@]} - 1; i >= 0; i--)); do rev+=("${flags[i]}"); done
 bench_new "${rev[@]}"
 echo "== per row: splits, whole ms (kernel ms), % of the read ceiling"
-for f in "$out"/bench-new-*.log "$out"/bench-base-1.log; do
+for f in "$out"/bench-new-*.log "$out"/bench-base-*.log; do
   echo "-- $(basename "$f") $(cat "${f%.log}.flags" 2>/dev/null)"
   awk -F'|' '/^\| (bf16|fp16) / && NF > 15 {gsub(/ /,"",$2); gsub(/ /,"",$3); gsub(/ /,"",$4); gsub(/ /,"",$5);
     gsub(/ /,"",$6); gsub(/ /,"",$7); gsub(/ /,"",$9); printf "%s %s %s,%s,%s s_q%s %s %s (%s) %s%%\n", $2, $3, $4, $5, $7, $6, $9, $11, $15, $13}' "$f" | head -40

@@ -151,6 +151,15 @@ inline constexpr int kL2PrefetchTiles = LATENTD_L2_PREFETCH_TILES;
 #endif
 inline constexpr float kLazyMaxLog2 = LATENTD_LAZY_MAX_LOG2;
 
+// FP8 cache, in place, 16-row tile: the passes a tile's dequantization takes, each one
+// barrier between reading its raw rows into registers and writing their 16-bit values;
+// fewer passes hold more registers across the barrier (round 8: 2; round 19: 1). The
+// 32-row tile keeps 2 (one pass spills there).
+#ifndef LATENTD_FP8_INPLACE_PASSES  // overridable only to build tuning variants
+#define LATENTD_FP8_INPLACE_PASSES 1
+#endif
+inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
+
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};
 inline constexpr int kNumTileConfigs = 3;

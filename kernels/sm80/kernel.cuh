@@ -382,8 +382,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // pass (the first half of the keys) relies on.
   constexpr int kRawOffset = kN * (kHeadDimQK * 2 - kFp8RowBytes);
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
-  // Items per thread per in-place pass: half of them, two passes (as measured in round 8).
-  constexpr int kFp8InPlacePassItems = (kDequantItems / kCta + 1) / 2;
+  // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
+  // (config.h), 2 on the 32-row tile (one pass spills there).
+  constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : 2;
+  constexpr int kFp8InPlacePassItems = (kDequantItems / kCta + kInPlacePasses - 1) / kInPlacePasses;
   static_assert(!kFp8 || (kDequantItems / kCta - 1) / kFp8InPlacePassItems * kFp8InPlacePassItems * kCta /
                                  (kHeadDimV / 16 + 8) <= kN - 3,
                 "every pass but the last clear of later passes' raw rows");
