@@ -159,6 +159,12 @@ inline constexpr float kLazyMaxLog2 = LATENTD_LAZY_MAX_LOG2;
 #define LATENTD_FP8_INPLACE_PASSES 1
 #endif
 inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
+// FP8 cache, in place, 16-row tile: each thread converts the raw chunks it copied, read
+// before the tile's first barrier (round 20); false: round 19's one pass.
+#ifndef LATENTD_FP8_OWN_CHUNKS  // overridable only to build tuning variants
+#define LATENTD_FP8_OWN_CHUNKS true
+#endif
+inline constexpr bool kFp8OwnChunks = LATENTD_FP8_OWN_CHUNKS;
 
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};

@@ -385,6 +385,21 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
   // (config.h), 2 on the 32-row tile (one pass spills there).
   constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : 2;
+  // FP8 in place, 16-row tile (kFp8OwnChunks, round 20): each thread converts exactly the
+  // raw chunks it copied, so it reads them as soon as its own copies have landed, before
+  // the tile's first barrier, which then also orders every read before any write: one
+  // barrier per tile fewer. Each of a row's kCta / kN threads copies the row's scale
+  // chunk into a slot of its own at the stage's front (raw rows sit at its back).
+  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && kFp8OwnChunks;
+  constexpr int kOwnT = kCta / kN;                 // threads per raw row
+  constexpr int kOwnItems = (kRawChunks - 1) / kOwnT;  // latent + rope chunks per thread
+  static_assert(!kOwn || (kOwnT == 4 && kOwnItems == 10 && kOwnItems * kOwnT == kRawChunks - 1),
+                "own chunks: 4 threads per row, 10 chunks each, then the scales");
+  static_assert(!kOwn || kN * kOwnT * 16 <= kRawOffset, "scale slots clear of the raw rows");
+  static_assert(kFp8ScaleOffset == 32 * 16 && kFp8RopeOffset == 33 * 16, "raw row: 32 latent chunks, scales, rope");
+  // Raw chunk i of thread c of a row: latent chunks c + 4 i (i < 8, scale block i / 2),
+  // then rope chunks c and c + 4 (i = 8, 9).
+  auto own_chunk = [](int i, int c) { return i < 8 ? c + 4 * i : kFp8RopeOffset / 16 + c + 4 * (i - 8); };
   constexpr int kFp8InPlacePassItems = (kDequantItems / kCta + kInPlacePasses - 1) / kInPlacePasses;
   static_assert(!kFp8 || (kDequantItems / kCta - 1) / kFp8InPlacePassItems * kFp8InPlacePassItems * kCta /
                                  (kHeadDimV / 16 + 8) <= kN - 3,
@@ -451,10 +466,21 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
                                        int64_t(page_key0 + key) * p.kv_row_stride + c * 16
                                  : kv8;
       const uint32_t dst = dst0 + key * kFp8RowBytes + c * 16;
+      if constexpr (kOwn) {
+        // Its raw chunks (OwnChunk) where the row's layout puts them, and the row's scales
+        // into this thread's slot at the stage's front.
+        const uint8_t* row_src = src - c * 16;
+        const uint32_t row_dst = dst0 + key * kFp8RowBytes;
 #pragma unroll
-      for (int j = 0; j < (kRawChunks + kT - 1) / kT; ++j) {
-        if ((kRawChunks % kT) != 0 && j == kRawChunks / kT && c >= kRawChunks % kT) break;
-        CpAsync16(dst + j * kT * 16, src + j * kT * 16, valid);
+        for (int i = 0; i < kOwnItems; ++i)
+          CpAsync16(row_dst + own_chunk(i, c) * 16, row_src + own_chunk(i, c) * 16, valid);
+        CpAsync16(SmemAddr(&sm.kv[s][0][0]) + (key * kT + c) * 16, row_src + kFp8ScaleOffset, valid);
+      } else {
+#pragma unroll
+        for (int j = 0; j < (kRawChunks + kT - 1) / kT; ++j) {
+          if ((kRawChunks % kT) != 0 && j == kRawChunks / kT && c >= kRawChunks % kT) break;
+          CpAsync16(dst + j * kT * 16, src + j * kT * 16, valid);
+        }
       }
     } else {
       // 8 threads per row, each its chunks c + 8 j (j = 0..8): the swizzle permutes only
@@ -664,6 +690,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // copies of the tile have landed; group 0 waits) and EMPTY (group 0 arrives when done
   // with the tile; group 1 waits before copying tile t+2 into its stage).
   constexpr int kFullBar = 3, kEmptyBar = 5;
+  uint4 own_raw[kOwn ? kOwnItems : 1], own_scales;  // kOwn: this thread's raw chunks of the tile
   for (int t = 0; t < num_tiles; ++t) {
     if constexpr (kPingPong) {
       if (grp == 0 && t > 0) BarSync(kFullBar + (t & 1), kCta);
@@ -671,6 +698,16 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
       // this tile); otherwise tile t's.
       CpAsyncWait<kFp8Ahead ? 0 : kStages - 2>();
+      if constexpr (kOwn) {
+        // This thread's own copies of tile t have landed: read them now, so that the
+        // barrier below also orders every raw read before the values are written.
+        const uint8_t* stage_bytes = reinterpret_cast<const uint8_t*>(&sm.kv[t % kStages][0][0]);
+        const int key = tid / kOwnT, c = tid % kOwnT;
+        const uint8_t* row = stage_bytes + kRawOffset + key * kFp8RowBytes;
+#pragma unroll
+        for (int i = 0; i < kOwnItems; ++i) own_raw[i] = *reinterpret_cast<const uint4*>(row + own_chunk(i, c) * 16);
+        own_scales = *reinterpret_cast<const uint4*>(stage_bytes + tid * 16);
+      }
       __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
       if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
       CpAsyncCommit();
@@ -706,6 +743,24 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         } else {
           *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c - 32)) =
               *reinterpret_cast<const uint4*>(row + kFp8RopeOffset + (c - 32) * 16);
+        }
+      }
+      __syncthreads();
+    } else if constexpr (kOwn) {
+      // This thread's chunks of row key (own_chunk): latent for i < 8, rope for i = 8, 9.
+      uint16_t* tile_elems = &sm.kv[stage][0][0];
+      const int key = tid / kOwnT, c = tid % kOwnT;
+      const uint32_t scale_word[4] = {own_scales.x, own_scales.y, own_scales.z, own_scales.w};
+#pragma unroll
+      for (int i = 0; i < kOwnItems; ++i) {
+        if (i < 8) {
+          const int j = c + 4 * i;
+          uint4 lo, hi;
+          DequantChunk<kDType>(own_raw[i], Fp8ScalePair<kDType>(scale_word[i / 2]), lo, hi);
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j)) = lo;
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j + 1)) = hi;
+        } else {
+          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c + 4 * (i - 8))) = own_raw[i];
         }
       }
       __syncthreads();
