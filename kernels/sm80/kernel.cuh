@@ -390,16 +390,19 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // the tile's first barrier, which then also orders every read before any write: one
   // barrier per tile fewer. Each of a row's kCta / kN threads copies the row's scale
   // chunk into a slot of its own at the stage's front (raw rows sit at its back).
+  // Where key k's pieces land in its 16-bit row of the stage ([1152 k, 1152 k + 1152)):
+  // its rope values (16-bit already) straight in their final, swizzled place (bytes
+  // 1024-1151); its 512 raw latent codes in bytes 512-1023; the scale slots of its four
+  // threads in bytes 0-63. The latent values written after the barrier cover bytes
+  // 0-1023, raw codes and slots alike, once every thread has read its own.
   constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && kFp8OwnChunks;
-  constexpr int kOwnT = kCta / kN;                 // threads per raw row
-  constexpr int kOwnItems = (kRawChunks - 1) / kOwnT;  // latent + rope chunks per thread
-  static_assert(!kOwn || (kOwnT == 4 && kOwnItems == 10 && kOwnItems * kOwnT == kRawChunks - 1),
-                "own chunks: 4 threads per row, 10 chunks each, then the scales");
-  static_assert(!kOwn || kN * kOwnT * 16 <= kRawOffset, "scale slots clear of the raw rows");
+  constexpr int kOwnT = kCta / kN;                  // threads per raw row
+  constexpr int kOwnItems = kHeadDimV / 16 / kOwnT;  // latent chunks per thread
+  constexpr int kOwnRawAt = kHeadDimV;              // raw latent codes: byte 512 of the 16-bit row
+  static_assert(!kOwn || (kOwnT == 4 && kOwnItems == 8), "own chunks: 4 threads per row, 8 latent chunks each");
   static_assert(kFp8ScaleOffset == 32 * 16 && kFp8RopeOffset == 33 * 16, "raw row: 32 latent chunks, scales, rope");
-  // Raw chunk i of thread c of a row: latent chunks c + 4 i (i < 8, scale block i / 2),
-  // then rope chunks c and c + 4 (i = 8, 9).
-  auto own_chunk = [](int i, int c) { return i < 8 ? c + 4 * i : kFp8RopeOffset / 16 + c + 4 * (i - 8); };
+  static_assert(kOwnT * 16 <= kOwnRawAt && kOwnRawAt + kHeadDimV <= kHeadDimV * 2,
+                "scale slots, raw codes and rope apart within a 16-bit row");
   constexpr int kFp8InPlacePassItems = (kDequantItems / kCta + kInPlacePasses - 1) / kInPlacePasses;
   static_assert(!kFp8 || (kDequantItems / kCta - 1) / kFp8InPlacePassItems * kFp8InPlacePassItems * kCta /
                                  (kHeadDimV / 16 + 8) <= kN - 3,
@@ -467,14 +470,18 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
                                  : kv8;
       const uint32_t dst = dst0 + key * kFp8RowBytes + c * 16;
       if constexpr (kOwn) {
-        // Its raw chunks (OwnChunk) where the row's layout puts them, and the row's scales
-        // into this thread's slot at the stage's front.
+        // Latent chunks c, c + 4, ..., c + 28 (raw), rope chunks c and c + 4 (in place),
+        // and the row's scales into this thread's slot (layout above kOwn).
         const uint8_t* row_src = src - c * 16;
-        const uint32_t row_dst = dst0 + key * kFp8RowBytes;
+        const uint32_t row16 = SmemAddr(&sm.kv[s][0][0]) + key * (kHeadDimQK * 2);
 #pragma unroll
         for (int i = 0; i < kOwnItems; ++i)
-          CpAsync16(row_dst + own_chunk(i, c) * 16, row_src + own_chunk(i, c) * 16, valid);
-        CpAsync16(SmemAddr(&sm.kv[s][0][0]) + (key * kT + c) * 16, row_src + kFp8ScaleOffset, valid);
+          CpAsync16(row16 + kOwnRawAt + (c + 4 * i) * 16, row_src + (c + 4 * i) * 16, valid);
+#pragma unroll
+        for (int r = c; r < 8; r += 4)
+          CpAsync16(SmemAddr(&sm.kv[s][0][0]) + Swizzle(key, kHeadDimV / 8 + r) * 2, row_src + kFp8RopeOffset + r * 16,
+                    valid);
+        CpAsync16(row16 + c * 16, row_src + kFp8ScaleOffset, valid);
       } else {
 #pragma unroll
         for (int j = 0; j < (kRawChunks + kT - 1) / kT; ++j) {
@@ -701,12 +708,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       if constexpr (kOwn) {
         // This thread's own copies of tile t have landed: read them now, so that the
         // barrier below also orders every raw read before the values are written.
-        const uint8_t* stage_bytes = reinterpret_cast<const uint8_t*>(&sm.kv[t % kStages][0][0]);
         const int key = tid / kOwnT, c = tid % kOwnT;
-        const uint8_t* row = stage_bytes + kRawOffset + key * kFp8RowBytes;
+        const uint8_t* row16 = reinterpret_cast<const uint8_t*>(&sm.kv[t % kStages][key][0]);
 #pragma unroll
-        for (int i = 0; i < kOwnItems; ++i) own_raw[i] = *reinterpret_cast<const uint4*>(row + own_chunk(i, c) * 16);
-        own_scales = *reinterpret_cast<const uint4*>(stage_bytes + tid * 16);
+        for (int i = 0; i < kOwnItems; ++i)
+          own_raw[i] = *reinterpret_cast<const uint4*>(row16 + kOwnRawAt + (c + 4 * i) * 16);
+        own_scales = *reinterpret_cast<const uint4*>(row16 + c * 16);
       }
       __syncthreads();  // tile t visible to all; every warp is done with tile t-1's stage
       if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
@@ -747,21 +754,18 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       }
       __syncthreads();
     } else if constexpr (kOwn) {
-      // This thread's chunks of row key (own_chunk): latent for i < 8, rope for i = 8, 9.
+      // This thread's latent chunks c + 4 i of row key (scale block i / 2); the rope
+      // values landed in place.
       uint16_t* tile_elems = &sm.kv[stage][0][0];
       const int key = tid / kOwnT, c = tid % kOwnT;
       const uint32_t scale_word[4] = {own_scales.x, own_scales.y, own_scales.z, own_scales.w};
 #pragma unroll
       for (int i = 0; i < kOwnItems; ++i) {
-        if (i < 8) {
-          const int j = c + 4 * i;
-          uint4 lo, hi;
-          DequantChunk<kDType>(own_raw[i], Fp8ScalePair<kDType>(scale_word[i / 2]), lo, hi);
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j)) = lo;
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j + 1)) = hi;
-        } else {
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c + 4 * (i - 8))) = own_raw[i];
-        }
+        const int j = c + 4 * i;
+        uint4 lo, hi;
+        DequantChunk<kDType>(own_raw[i], Fp8ScalePair<kDType>(scale_word[i / 2]), lo, hi);
+        *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j)) = lo;
+        *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j + 1)) = hi;
       }
       __syncthreads();
     } else if constexpr (kFp8 && !kFp8Ahead) {
