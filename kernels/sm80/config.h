@@ -165,12 +165,6 @@ inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
 #define LATENTD_FP8_OWN_CHUNKS true
 #endif
 inline constexpr bool kFp8OwnChunks = LATENTD_FP8_OWN_CHUNKS;
-// ... and further, each warp copies and converts the dims its own QK reads, so no
-// barrier separates the conversion from the mma loops (round 21).
-#ifndef LATENTD_FP8_WARP_DIMS  // overridable only to build tuning variants
-#define LATENTD_FP8_WARP_DIMS true
-#endif
-inline constexpr bool kFp8WarpDims = LATENTD_FP8_WARP_DIMS;
 
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};

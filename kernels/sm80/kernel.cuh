@@ -395,18 +395,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // 1024-1151); its 512 raw latent codes in bytes 512-1023; the scale slots of its four
   // threads in bytes 0-63. The latent values written after the barrier cover bytes
   // 0-1023, raw codes and slots alike, once every thread has read its own.
-  // kWarpDims (round 21) instead: warp w copies and converts the dims its own QK reads
-  // (144 w .. 144 w + 143: raw latent chunks 9 w .. 9 w + 8, warp 3 chunks 27-31 and the
-  // rope values, copied into place), in the same row layout. A warp's copies are visible
-  // to the warp after its lanes' cp.async waits and a __syncwarp, and its QK reads only
-  // what it converted, so the barrier between the conversion and the mma loops goes: the
-  // tile's first barrier orders every raw read before any write, and the partial-score
-  // exchange's barrier publishes the converted values to the PV of every warp.
-  constexpr bool kWarpDims = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && kFp8WarpDims;
-  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && (kFp8OwnChunks || kFp8WarpDims);
-  constexpr int kWdItems = kDimsPerWarp / 16;  // raw latent chunks per row of warps 0-2 (9); warp 3: 5
-  static_assert(!kWarpDims || (Cfg::kCoopReduce && Cfg::kGroups == 1 && kN == 32 && 3 * kWdItems + 5 == 32),
-                "warp dims: one group, 32 keys, the cooperative reduction's barrier before PV");
+  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && kFp8OwnChunks;
   constexpr int kOwnT = kCta / kN;                  // threads per raw row
   constexpr int kOwnItems = kHeadDimV / 16 / kOwnT;  // latent chunks per thread
   constexpr int kOwnRawAt = kHeadDimV;              // raw latent codes: byte 512 of the 16-bit row
@@ -460,25 +449,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // math was ~15% of the loop's instructions). A tile never straddles a page, so its
   // keys' page offsets are key0 % 64 + key without wrapping. Keys past cta_end copy
   // nothing (zero fill) from within row 0 of page 0, never from an unowned row.
-  // kWarpDims: f(j, key, raw chunk) over this lane's items j of its warp's chunks of
-  // every key (item lane + 32 j = key x the warp's chunk count), with compile-time
-  // divisors per warp (9 chunks for warps 0-2, 5 for warp 3).
-  auto wd_items = [&](auto&& f) {
-    auto run = [&](auto nk_c) {
-      constexpr int nk = decltype(nk_c)::value;
-#pragma unroll
-      for (int j = 0; j < kWdItems; ++j) {
-        const int id = lane + 32 * j;
-        if (id >= 32 * nk) break;
-        f(j, id / nk, warp * kWdItems + id % nk);
-      }
-    };
-    if (warp < 3) {
-      run(std::integral_constant<int, kWdItems>{});
-    } else {
-      run(std::integral_constant<int, 32 - 3 * kWdItems>{});
-    }
-  };
   auto load_tile = [&](int t, int s, int page) {
     const int key0 = key_begin + t * kN;
     const int page_key0 = key0 & (kPageSize - 1);
@@ -499,29 +469,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
                                        int64_t(page_key0 + key) * p.kv_row_stride + c * 16
                                  : kv8;
       const uint32_t dst = dst0 + key * kFp8RowBytes + c * 16;
-      if constexpr (kWarpDims) {
-        // Warp w: its latent chunks of every key (item lane + 32 j = key x chunk), warp 3
-        // also the rope values into place; every warp the scales of key `lane`.
-        const auto* base = kv8 + int64_t(page) * p.kv_page_stride + kv_head_off;
-        const uint32_t stage16 = SmemAddr(&sm.kv[s][0][0]);
-        wd_items([&](int j, int r, int k) {
-          const bool ok = key0 + r < cta_end;
-          CpAsync16(stage16 + r * (kHeadDimQK * 2) + kOwnRawAt + k * 16,
-                    ok ? base + int64_t(page_key0 + r) * p.kv_row_stride + k * 16 : kv8, ok);
-        });
-        if (warp == 3) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int id = lane + 32 * j, r = id / 8, q = id % 8;
-            const bool ok = key0 + r < cta_end;
-            CpAsync16(stage16 + Swizzle(r, kHeadDimV / 8 + q) * 2,
-                      ok ? base + int64_t(page_key0 + r) * p.kv_row_stride + kFp8RopeOffset + q * 16 : kv8, ok);
-          }
-        }
-        const bool ok = key0 + lane < cta_end;
-        CpAsync16(stage16 + lane * (kHeadDimQK * 2) + warp * 16,
-                  ok ? base + int64_t(page_key0 + lane) * p.kv_row_stride + kFp8ScaleOffset : kv8, ok);
-      } else if constexpr (kOwn) {
+      if constexpr (kOwn) {
         // Latent chunks c, c + 4, ..., c + 28 (raw), rope chunks c and c + 4 (in place),
         // and the row's scales into this thread's slot (layout above kOwn).
         const uint8_t* row_src = src - c * 16;
@@ -749,9 +697,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // copies of the tile have landed; group 0 waits) and EMPTY (group 0 arrives when done
   // with the tile; group 1 waits before copying tile t+2 into its stage).
   constexpr int kFullBar = 3, kEmptyBar = 5;
-  // kOwn / kWarpDims: this thread's raw chunks of the tile (and their scale words).
-  uint4 own_raw[kWarpDims ? kWdItems : kOwn ? kOwnItems : 1], own_scales;
-  uint32_t wd_scale[kWarpDims ? kWdItems : 1];
+  uint4 own_raw[kOwn ? kOwnItems : 1], own_scales;  // kOwn: this thread's raw chunks of the tile
   for (int t = 0; t < num_tiles; ++t) {
     if constexpr (kPingPong) {
       if (grp == 0 && t > 0) BarSync(kFullBar + (t & 1), kCta);
@@ -759,16 +705,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
       // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
       // this tile); otherwise tile t's.
       CpAsyncWait<kFp8Ahead ? 0 : kStages - 2>();
-      if constexpr (kWarpDims) {
-        // The warp's copies of tile t have landed: its raw chunks and their scales.
-        __syncwarp();
-        const uint8_t* stage_bytes = reinterpret_cast<const uint8_t*>(&sm.kv[t % kStages][0][0]);
-        wd_items([&](int j, int r, int k) {
-          const uint8_t* row = stage_bytes + r * (kHeadDimQK * 2);
-          own_raw[j] = *reinterpret_cast<const uint4*>(row + kOwnRawAt + k * 16);
-          wd_scale[j] = *reinterpret_cast<const uint32_t*>(row + warp * 16 + (k / 8) * 4);
-        });
-      } else if constexpr (kOwn) {
+      if constexpr (kOwn) {
         // This thread's own copies of tile t have landed: read them now, so that the
         // barrier below also orders every raw read before the values are written.
         const int key = tid / kOwnT, c = tid % kOwnT;
@@ -816,17 +753,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
         }
       }
       __syncthreads();
-    } else if constexpr (kWarpDims) {
-      // The warp's own dims: visible to its QK after a __syncwarp; to every warp's PV
-      // after the partial-score exchange's barrier.
-      uint16_t* tile_elems = &sm.kv[stage][0][0];
-      wd_items([&](int j, int r, int k) {
-        uint4 lo, hi;
-        DequantChunk<kDType>(own_raw[j], Fp8ScalePair<kDType>(wd_scale[j]), lo, hi);
-        *reinterpret_cast<uint4*>(tile_elems + Swizzle(r, 2 * k)) = lo;
-        *reinterpret_cast<uint4*>(tile_elems + Swizzle(r, 2 * k + 1)) = hi;
-      });
-      __syncwarp();
     } else if constexpr (kOwn) {
       // This thread's latent chunks c + 4 i of row key (scale block i / 2); the rope
       // values landed in place.
