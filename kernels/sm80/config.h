@@ -160,7 +160,8 @@ inline constexpr float kLazyMaxLog2 = LATENTD_LAZY_MAX_LOG2;
 #endif
 inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
 // FP8 cache, in place, 16-row tile: each thread converts the raw chunks it copied, read
-// before the tile's first barrier (round 20); false: round 19's one pass.
+// before the tile's first barrier (rounds 20, 20b); false: the pass scheme above (round
+// 19 with one pass), which LATENTD_FP8_INPLACE_PASSES configures.
 #ifndef LATENTD_FP8_OWN_CHUNKS  // overridable only to build tuning variants
 #define LATENTD_FP8_OWN_CHUNKS true
 #endif

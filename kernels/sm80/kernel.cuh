@@ -385,11 +385,11 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCta
   // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
   // (config.h), 2 on the 32-row tile (one pass spills there).
   constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : 2;
-  // FP8 in place, 16-row tile (kFp8OwnChunks, round 20): each thread converts exactly the
-  // raw chunks it copied, so it reads them as soon as its own copies have landed, before
-  // the tile's first barrier, which then also orders every read before any write: one
-  // barrier per tile fewer. Each of a row's kCta / kN threads copies the row's scale
-  // chunk into a slot of its own at the stage's front (raw rows sit at its back).
+  // FP8 in place, 16-row tile (kFp8OwnChunks, rounds 20 and 20b): each thread converts
+  // exactly the raw chunks it copied, so it reads them as soon as its own copies have
+  // landed, before the tile's first barrier, which then also orders every read before
+  // any write: one barrier per tile fewer. Each of a key's kCta / kN threads copies the
+  // key's scale chunk into a slot of its own.
   // Where key k's pieces land in its 16-bit row of the stage ([1152 k, 1152 k + 1152)):
   // its rope values (16-bit already) straight in their final, swizzled place (bytes
   // 1024-1151); its 512 raw latent codes in bytes 512-1023; the scale slots of its four
