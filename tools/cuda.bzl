@@ -60,8 +60,14 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
             name = "%s_%s_nvcc" % (name, stem),
             srcs = [src] + hdrs + textual_hdrs,
             outs = [obj, report],
-            cmd = ("%s %s %s %s -c $(location %s) -o $(location %s) 2> $(location %s) " +
-                   "|| { cat $(location %s) >&2; exit 1; }") % (
+            # nvcc names its intermediate files after its pid; inside Bazel's sandbox
+            # every action has a small pid of its own namespace, so two concurrent nvcc
+            # runs would share /tmp/tmpxft_00000003_* names. A private TMPDIR per action
+            # keeps them apart.
+            cmd = ("T=$$(mktemp -d) && " +
+                   "{ TMPDIR=$$T %s %s %s %s -c $(location %s) -o $(location %s) 2> $(location %s); " +
+                   "rc=$$?; rm -rf $$T; " +
+                   "if [ $$rc -ne 0 ]; then cat $(location %s) >&2; exit 1; fi; }") % (
                 NVCC,
                 NVCC_FLAGS,
                 arch_flags,
