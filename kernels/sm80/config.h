@@ -32,19 +32,23 @@ struct TileConfig;
 #ifndef LATENTD_TILE16_COOP  // overridable only to build tuning variants
 #define LATENTD_TILE16_COOP true
 #endif
+#ifndef LATENTD_TILE16_Q_IN_REGISTERS  // overridable only to build tuning variants
+#define LATENTD_TILE16_Q_IN_REGISTERS true
+#define LATENTD_TILE16_MIN_CTAS 2
+#endif
 template <>
 struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
   static constexpr int kKeys = LATENTD_TILE16_KEYS;      // keys per staged KV tile (and per softmax step)
   static constexpr int kStages = LATENTD_TILE16_STAGES;  // cp.async pipeline depth
-  static constexpr bool kQInRegisters = true;
+  static constexpr bool kQInRegisters = LATENTD_TILE16_Q_IN_REGISTERS;
   static constexpr int kGroups = 1;       // groups of 4 warps, each owning kRows / kGroups rows
   static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
   // Cooperative reduction: each warp sums one 8-key slice of the partial scores and runs
   // the softmax on it; P goes through shared memory to the PV (below, the 64-row tile).
   static constexpr bool kCoopReduce = LATENTD_TILE16_COOP;
-  static constexpr int kMinCtasPerSm = 2;
+  static constexpr int kMinCtasPerSm = LATENTD_TILE16_MIN_CTAS;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
