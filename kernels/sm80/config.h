@@ -34,6 +34,10 @@ struct TileConfig;
 #endif
 #ifndef LATENTD_TILE16_Q_IN_REGISTERS  // overridable only to build tuning variants
 #define LATENTD_TILE16_Q_IN_REGISTERS true
+#endif
+// Resident CTAs per SM the 16-row tile is compiled for (__launch_bounds__): 2 caps it at
+// 255 registers, 3 at 168 (round 22).
+#ifndef LATENTD_TILE16_MIN_CTAS  // overridable only to build tuning variants
 #define LATENTD_TILE16_MIN_CTAS 2
 #endif
 template <>
