@@ -40,6 +40,9 @@ struct TileConfig;
 #ifndef LATENTD_TILE16_MIN_CTAS  // overridable only to build tuning variants
 #define LATENTD_TILE16_MIN_CTAS 2
 #endif
+#ifndef LATENTD_TILE16_FP8_MIN_CTAS  // the same for FP8 caches, whose conversion needs more
+#define LATENTD_TILE16_FP8_MIN_CTAS 2
+#endif
 template <>
 struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
@@ -53,6 +56,7 @@ struct TileConfig<16> {
   // the softmax on it; P goes through shared memory to the PV (below, the 64-row tile).
   static constexpr bool kCoopReduce = LATENTD_TILE16_COOP;
   static constexpr int kMinCtasPerSm = LATENTD_TILE16_MIN_CTAS;
+  static constexpr int kFp8MinCtasPerSm = LATENTD_TILE16_FP8_MIN_CTAS;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
@@ -76,6 +80,7 @@ struct TileConfig<32> {
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = false;
   static constexpr int kMinCtasPerSm = 2;
+  static constexpr int kFp8MinCtasPerSm = 2;
   static constexpr int kFp8Stages = 4;
   static constexpr bool kFp8DequantAhead = false;
   static constexpr bool kPingPong = false;  // two groups only (the 64-row tile)
@@ -111,6 +116,7 @@ struct TileConfig<64> {
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;
+  static constexpr int kFp8MinCtasPerSm = 1;
   static constexpr int kFp8Stages = 4;  // unused: no raw-row ring variant of this tile
   // FP8 cache: raw rows land in a 2-stage ring of their own (41 KB more shared memory);
   // tile t+1 is dequantized into the other 16-bit stage between tile t's PV mma, whose

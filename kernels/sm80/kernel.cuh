@@ -338,7 +338,9 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
 // tile, more shared memory (docs/kernel-tuning.md, round 8).
 template <DType kDType, int kRows, KvDType kKv, bool kRing>
-__global__ void __launch_bounds__(kCtaThreads<kRows>, TileConfig<kRows>::kMinCtasPerSm)
+__global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
+                                                          ? TileConfig<kRows>::kFp8MinCtasPerSm
+                                                          : TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
