@@ -32,15 +32,13 @@ struct TileConfig;
 #ifndef LATENTD_TILE16_COOP  // overridable only to build tuning variants
 #define LATENTD_TILE16_COOP true
 #endif
-#ifndef LATENTD_TILE16_Q_IN_REGISTERS  // overridable only to build tuning variants
-#define LATENTD_TILE16_Q_IN_REGISTERS true
-#endif
 // Resident CTAs per SM the 16-row tile is compiled for (__launch_bounds__): 2 caps it at
 // 255 registers, 3 at 168 (round 22).
 #ifndef LATENTD_TILE16_MIN_CTAS  // overridable only to build tuning variants
 #define LATENTD_TILE16_MIN_CTAS 2
 #endif
-#ifndef LATENTD_TILE16_FP8_MIN_CTAS  // the same for FP8 caches, whose conversion needs more
+// The same for FP8 caches: their conversion needs more registers than 168 (round 22).
+#ifndef LATENTD_TILE16_FP8_MIN_CTAS  // overridable only to build tuning variants
 #define LATENTD_TILE16_FP8_MIN_CTAS 2
 #endif
 template <>
@@ -48,7 +46,7 @@ struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
   static constexpr int kKeys = LATENTD_TILE16_KEYS;      // keys per staged KV tile (and per softmax step)
   static constexpr int kStages = LATENTD_TILE16_STAGES;  // cp.async pipeline depth
-  static constexpr bool kQInRegisters = LATENTD_TILE16_Q_IN_REGISTERS;
+  static constexpr bool kQInRegisters = true;
   static constexpr int kGroups = 1;       // groups of 4 warps, each owning kRows / kGroups rows
   static constexpr int kQRegSteps = 0;    // with Q in shared memory: k-steps per warp held in registers
   static constexpr int kExchangePasses = 1;  // partial-score exchanges per KV tile (keys split evenly)
