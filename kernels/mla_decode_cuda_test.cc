@@ -361,13 +361,13 @@ TEST(GpuDecode, SweepFp8CacheRing) {
   Fp8Sweep(true);
 }
 
-// A small representative subset (both tiles, splits, causal, empty sequences), sized for
-// compute-sanitizer memcheck and racecheck.
+// A small representative subset (the 16- and 32-row tiles, splits, causal, empty
+// sequences, both FP8 pipelines), sized for compute-sanitizer memcheck and racecheck.
 TEST(GpuDecode, Subset) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(5);
   for (DType dt : {DType::kBF16, DType::kFP16})
-    for (int hq : {16, 64}) {
+    for (int hq : {8, 16, 64}) {
       ProblemShape s;
       s.dtype = dt;
       s.batch = 3;

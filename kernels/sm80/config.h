@@ -41,6 +41,16 @@ struct TileConfig;
 #ifndef LATENTD_TILE16_FP8_MIN_CTAS  // overridable only to build tuning variants
 #define LATENTD_TILE16_FP8_MIN_CTAS 2
 #endif
+// FP8 cache, 16-row tile: e4m3 codes converted in registers straight into mma fragments
+// (round 23): each warp's QK^T dims are its 128 PV columns' block plus 16 rope dims, so
+// one conversion serves as K and, transposed by movmatrix, as V; the stages hold raw
+// rows only (20.5 KB per 32 keys), so 3 of them fit with 2 CTAs per A100 SM.
+#ifndef LATENTD_FP8_REGS  // overridable only to build tuning variants
+#define LATENTD_FP8_REGS false
+#endif
+#ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
+#define LATENTD_FP8_REG_STAGES 3
+#endif
 template <>
 struct TileConfig<16> {
   static constexpr int kRowsPerTile = 16;
@@ -56,6 +66,8 @@ struct TileConfig<16> {
   static constexpr int kMinCtasPerSm = LATENTD_TILE16_MIN_CTAS;
   static constexpr int kFp8MinCtasPerSm = LATENTD_TILE16_FP8_MIN_CTAS;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
+  static constexpr bool kFp8Regs = LATENTD_FP8_REGS;          // FP8: conversion in registers
+  static constexpr int kFp8RegStages = LATENTD_FP8_REG_STAGES;  // ... and its raw stages
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
   // only: here the second 16-bit stage plus the ring would leave 1 CTA per SM).
@@ -80,6 +92,8 @@ struct TileConfig<32> {
   static constexpr int kMinCtasPerSm = 2;
   static constexpr int kFp8MinCtasPerSm = 2;
   static constexpr int kFp8Stages = 4;
+  static constexpr bool kFp8Regs = false;  // the 16-row tile only
+  static constexpr int kFp8RegStages = 0;
   static constexpr bool kFp8DequantAhead = false;
   static constexpr bool kPingPong = false;  // two groups only (the 64-row tile)
 };
@@ -116,6 +130,8 @@ struct TileConfig<64> {
   static constexpr int kMinCtasPerSm = 1;
   static constexpr int kFp8MinCtasPerSm = 1;
   static constexpr int kFp8Stages = 4;  // unused: no raw-row ring variant of this tile
+  static constexpr bool kFp8Regs = false;  // the 16-row tile only
+  static constexpr int kFp8RegStages = 0;
   // FP8 cache: raw rows land in a 2-stage ring of their own (41 KB more shared memory);
   // tile t+1 is dequantized into the other 16-bit stage between tile t's PV mma, whose
   // issue slots are two-thirds idle (round 11), so the conversion costs no barriers.

@@ -170,6 +170,13 @@ __device__ __forceinline__ uint32_t Fma2NegZero(uint32_t a, uint32_t b) {
   }
   return r;
 }
+// The transpose of an 8x8 matrix of 16-bit values held in mma fragment order (lane l:
+// row l / 4, columns 2 (l % 4) and +1), in the same order.
+__device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
 // 16 e4m3 codes (one 16-byte chunk, one block) -> 16 values in two 16-byte chunks.
 template <DType kDType>
 __device__ __forceinline__ void DequantChunk(const uint4& raw, uint32_t scale_pair, uint4& lo, uint4& hi) {
@@ -352,10 +359,20 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
   constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && Cfg::kFp8DequantAhead;
+  // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; round 23). Warp w's
+  // QK^T dims are the latent block it owns for PV (128 w .. 128 w + 127) plus rope dims
+  // 16 w .. 16 w + 15. A lane's 16-byte load of its key's codes gives four 4-code words;
+  // a word's codes (dims d .. d+3) become two 16-bit pairs, (d, d+2) and (d+1, d+3), which
+  // are the B fragment of one k-step as they are: the k order within the warp's dims is
+  // permuted, and Q's A fragments are loaded in the same order. movmatrix transposes each
+  // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
+  // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
+  constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing>;
   using Plan = PlanOf<kRows, kKv, kRing>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
-  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : Cfg::kStages;  // copies in flight + 1
+  // Copies in flight + 1.
+  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : kRegs ? Cfg::kFp8RegStages : Cfg::kStages;
   // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
   // ahead (tile t+1 must have landed while tile t is computed).
   constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
@@ -397,7 +414,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // 1024-1151); its 512 raw latent codes in bytes 512-1023; the scale slots of its four
   // threads in bytes 0-63. The latent values written after the barrier cover bytes
   // 0-1023, raw codes and slots alike, once every thread has read its own.
-  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && kRows == 16 && kFp8OwnChunks;
+  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && !kRegs && kRows == 16 && kFp8OwnChunks;
+  static_assert(!kRegs || (kRows == 16 && kN == 32 && kCta == 128 && Cfg::kQInRegisters && kHeadDimV == 128 * kWarps &&
+                           kFp8BlockValues == 128 && kStages >= 2),
+                "conversion in registers: the 16-row tile, 32-key tiles, one scale block per warp");
   constexpr int kOwnT = kCta / kN;                  // threads per raw row
   constexpr int kOwnItems = kHeadDimV / 16 / kOwnT;  // latent chunks per thread
   constexpr int kOwnRawAt = kHeadDimV;              // raw latent codes: byte 512 of the 16-bit row
@@ -459,8 +479,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       constexpr int kT = kCta / kN;
       static_assert(kT * kN == kCta, "whole threads per raw row");
       const auto* kv8 = static_cast<const uint8_t*>(p.kv);
-      uint32_t dst0;
-      if constexpr (kFp8Ring || kFp8Ahead) {
+      uint32_t dst0 = 0;
+      if constexpr (kRegs) {
+      } else if constexpr (kFp8Ring || kFp8Ahead) {
         dst0 = SmemAddr(&sm.raw[s][0][0]);
       } else {
         dst0 = SmemAddr(&sm.kv[s][0][0]) + kRawOffset;
@@ -471,7 +492,26 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
                                        int64_t(page_key0 + key) * p.kv_row_stride + c * 16
                                  : kv8;
       const uint32_t dst = dst0 + key * kFp8RowBytes + c * 16;
-      if constexpr (kOwn) {
+      if constexpr (kRegs) {
+        // Chunk c + 4 j of the row (41 of them) to its place in the stage's pieces
+        // (Fp8RegsSharedMemoryPlan): latent, scales, or rope.
+        const uint8_t* row_src = src - c * 16;
+#pragma unroll
+        for (int j = 0; j < (kRawChunks + kT - 1) / kT; ++j) {
+          const int q = c + kT * j;
+          uint32_t d;
+          if (q < kHeadDimV / 16) {
+            d = SmemAddr(&sm.kv[s][key][0]) + ((q ^ ((key & 1) << 2)) << 4);
+          } else if (q == kFp8ScaleOffset / 16) {
+            d = SmemAddr(&sm.scales[s][key][0]);
+          } else if (q < kRawChunks) {
+            d = SmemAddr(&sm.rope[s][key][0]) + (((q - kFp8RopeOffset / 16) ^ (key & 7)) << 4);
+          } else {
+            break;
+          }
+          CpAsync16(d, row_src + q * 16, valid);
+        }
+      } else if constexpr (kOwn) {
         // Latent chunks c, c + 4, ..., c + 28 (raw), rope chunks c and c + 4 (in place),
         // and the row's scales into this thread's slot (layout above kOwn).
         const uint8_t* row_src = src - c * 16;
@@ -616,13 +656,35 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       const bool v0 = row0 + r < rows_kv, v1 = row0 + r + 8 < rows_kv;
       const uint16_t* q0 = v0 ? q_row_ptr(r) : nullptr;
       const uint16_t* q1 = v1 ? q_row_ptr(r + 8) : nullptr;
+      if constexpr (kRegs) {
+        // k-step 4 H + j: dims d .. d+3, d = 128 warp + 64 H + 16 (lane % 4) + 4 j, as the
+        // pairs (d, d+2) and (d+1, d+3) (the K fragments' order); k-step 8: rope dims.
 #pragma unroll
-      for (int ks = 0; ks < kRegSteps; ++ks) {
-        const int d = warp * kDimsPerWarp + ks * 16 + c;
-        qf[ks][mt][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
-        qf[ks][mt][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
-        qf[ks][mt][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
-        qf[ks][mt][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+        for (int ks = 0; ks < 8; ++ks) {
+          const int d = warp * kColsPerWarp + (ks >> 2) * 64 + (lane & 3) * 16 + (ks & 3) * 4;
+          const uint32_t u00 = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
+          const uint32_t u01 = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 2) : 0u;
+          const uint32_t u10 = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
+          const uint32_t u11 = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 2) : 0u;
+          qf[ks][mt][0] = __byte_perm(u00, u01, 0x5410);
+          qf[ks][mt][1] = __byte_perm(u10, u11, 0x5410);
+          qf[ks][mt][2] = __byte_perm(u00, u01, 0x7632);
+          qf[ks][mt][3] = __byte_perm(u10, u11, 0x7632);
+        }
+        const int d = kHeadDimV + warp * 16 + c;
+        qf[8][mt][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
+        qf[8][mt][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
+        qf[8][mt][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
+        qf[8][mt][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kRegSteps; ++ks) {
+          const int d = warp * kDimsPerWarp + ks * 16 + c;
+          qf[ks][mt][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
+          qf[ks][mt][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
+          qf[ks][mt][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
+          qf[ks][mt][3] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d + 8) : 0u;
+        }
       }
     }
   }
@@ -660,8 +722,22 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr bool kSplitP = kDType == DType::kBF16;
   // O[:, my 128 columns] += P[:, keys 16 kk .. 16 kk + 15] V[those keys, my columns],
   // P as A fragments (pa, and pl its low part for bf16).
+  // Converted in registers (kRegs): the tile's V fragments, [8-key block][half of the
+  // warp's 128 columns][k-step of the half][pair (d, d+2) or (d+1, d+3)], each the
+  // movmatrix transpose of a K fragment; n8 output tile 8 H + 2 j + pair.
+  uint32_t vfr[kRegs ? kNT : 1][2][4][2];
   auto pv_kstep = [&](int kk, const uint32_t(&pa)[kMT][4], const uint32_t(&pl)[kSplitP ? kMT : 1][4],
                       uint32_t kv_base) {
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int i = 0; i < kVT; ++i) {
+        const uint32_t b0 = vfr[kRegs ? 2 * kk : 0][(i >> 3) & 1][(i >> 1) & 3][i & 1];
+        const uint32_t b1 = vfr[kRegs ? 2 * kk + 1 : 0][(i >> 3) & 1][(i >> 1) & 3][i & 1];
+        Mma<kDType>(acc[0][i], pa[0], b0, b1);
+        if constexpr (kSplitP) Mma<kDType>(acc[0][i], pl[0], b0, b1);
+      }
+      return;
+    }
     const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int np = 0; np < kVT / 2; ++np) {
@@ -770,7 +846,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * j + 1)) = hi;
       }
       __syncthreads();
-    } else if constexpr (kFp8 && !kFp8Ahead) {
+    } else if constexpr (kFp8 && !kFp8Ahead && !kRegs) {
       // Raw rows -> registers, sync, dequantized values -> the same stage; in passes of
       // kPassItems items per thread, to bound the registers it takes. The raw rows sit at
       // the stage's end (kRawOffset), so a pass's values never land on a later pass's
@@ -817,8 +893,42 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       for (int j = 0; j < kNT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
+    if constexpr (kRegs) {
+      // Key 8 i + lane / 4 of n8 tile i: the lane's 16 codes of each half H of the warp's
+      // block (dims 128 warp + 64 H + 16 (lane % 4) ..), converted and scaled exactly as
+      // in place (DequantChunk), then its rope k-step by ldmatrix.
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
+      for (int i = 0; i < kNT; ++i) {
+        const int key = 8 * i + (lane >> 2);
+        const uint32_t sp = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int q = warp * 8 + hh * 4 + (lane & 3);
+          const uint4 raw = *reinterpret_cast<const uint4*>(&sm.kv[stage][key][(q ^ ((key & 1) << 2)) << 4]);
+          const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp);
+            const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp);
+            Mma<kDType>(s[0][i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
+            vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
+            vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
+          }
+        }
+      }
+      const uint32_t rope_base = SmemAddr(&sm.rope[stage][0][0]);
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        uint32_t kb[4];
+        const int key = np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+        const int chunk = warp * 2 + ((lane >> 3) & 1);
+        Ldmatrix4(kb, rope_base + (key * (kHeadDimQK - kHeadDimV) + ((chunk ^ (key & 7)) << 3)) * 2);
+        Mma<kDType>(s[0][2 * np], qf[kRegs ? 8 : 0][0], kb[0], kb[1]);
+        Mma<kDType>(s[0][2 * np + 1], qf[kRegs ? 8 : 0][0], kb[2], kb[3]);
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < (kRegs ? 0 : kKSteps); ++ks) {
       const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
       uint32_t a[kMT][4];
       if (ks < kRegSteps) {  // unrolled: decided at compile time
@@ -1164,6 +1274,36 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       const float lse = l > 0.f ? (m_run[mt][h] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
       const int token = row / group, head = kvh * group + row % group;
       const int col0 = warp * kColsPerWarp + (lane & 3) * 2;
+      if constexpr (kRegs) {
+        // n8 tiles 8 H + 2 j and 8 H + 2 j + 1 hold dims (d, d+2) and (d+1, d+3) of this
+        // row, d = 128 warp + 64 H + 16 (lane % 4) + 4 j.
+        uint16_t* o16 = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
+                        int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride;
+        const int64_t prow = (int64_t(b) * args.num_splits + split) * rows_total + kvh * rows_kv + row;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int d = warp * kColsPerWarp + hh * 64 + (lane & 3) * 16 + j * 4;
+            const float* lo = acc[mt][hh * 8 + j * 2];
+            const float* hi = acc[mt][hh * 8 + j * 2 + 1];
+            const float v0 = lo[2 * h] * inv, v1 = hi[2 * h] * inv, v2 = lo[2 * h + 1] * inv, v3 = hi[2 * h + 1] * inv;
+            if (direct) {
+              *reinterpret_cast<uint32_t*>(o16 + d) = Pack2<kDType>(v0, v1);
+              *reinterpret_cast<uint32_t*>(o16 + d + 2) = Pack2<kDType>(v2, v3);
+            } else {
+              *reinterpret_cast<float4*>(args.o_part + prow * kHeadDimV + d) = make_float4(v0, v1, v2, v3);
+            }
+          }
+        if (warp == 0 && (lane & 3) == 0) {
+          if (direct) {
+            p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] = lse;
+          } else {
+            args.lse_part[prow] = lse;
+          }
+        }
+        continue;
+      }
       if (direct) {
         uint16_t* o = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
                       int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + col0;
