@@ -4,6 +4,8 @@
 # of every variant alternating (base, variants, base, variants reversed, base), so that
 # clock drift shifts all alike. Logs go to $OUT (or ./variants_ab_out); a table last.
 #   scripts/variants_ab.sh BUNDLE "GTEST_FILTER" NAME [NAME...]
+# An empty GTEST_FILTER skips the checks and the sanitizers (bench only); BENCH=0 skips
+# the bench (checks only).
 set -uo pipefail
 [[ $# -ge 3 ]] || { echo "usage: $0 BUNDLE GTEST_FILTER NAME..." >&2; exit 2; }
 b=$1 filter=$2; shift 2
@@ -12,15 +14,18 @@ mkdir -p "$o"
 runs=${BENCH_RUNS:-60}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$o/gpu.txt"
 for v in "$@"; do
+  [[ -n $filter ]] || break
   timeout 200 "$b/run" "gpu_test_$v" --gtest_filter="$filter" > "$o/gpu_test_$v.log" 2>&1
   echo "gpu_test_$v rc=$?"; grep -E "^\[  (PASSED|FAILED) |FAILED|differ from" "$o/gpu_test_$v.log" | head -12
 done
 last=${*: -1}
 for tool in memcheck racecheck synccheck; do
+  [[ -n $filter ]] || break
   timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$b/bin/gpu_test_$last" \
     --gtest_filter=GpuDecode.Subset > "$o/sanitizer-$tool-$last.log" 2>&1
   echo "sanitizer $tool ($last) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$o/sanitizer-$tool-$last.log" | tail -1)"
 done
+[[ ${BENCH:-1} == 0 ]] && exit 0
 rev=()
 for ((i = $#; i >= 1; i--)); do rev+=("${!i}"); done
 n=0
