@@ -2,7 +2,7 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring] [--fp8_regs 0|1]
 //         [--fused_combine] [--splits N] [--shape b,h_q,s_k[,s_q]]
 // --shape times that one bf16 shape (causal when s_q > 1) instead of the table's rows.
 #include <cuda_runtime.h>
@@ -74,6 +74,7 @@ void ForceSplits(DecodePlan* plan, int s_k) {
   plan->keys_per_split = (want + 31) / 32 * 32;
   plan->num_splits = std::max(1, (s_k + plan->keys_per_split - 1) / plan->keys_per_split);
 }
+int g_fp8_regs = -1;     // --fp8_regs 0|1: force DecodePlan::fp8_regs (-1: the planner's choice)
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
 
@@ -152,6 +153,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
   ForceSplits(&r.plan, c.s_k);
   r.plan.fp8_ring = g_fp8_ring;
+  if (g_fp8_regs >= 0) r.plan.fp8_regs = g_fp8_regs == 1;
   r.plan.fused_combine = g_fused;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
@@ -178,6 +180,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
       CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
       ForceSplits(&plan, c.s_k);
       plan.fp8_ring = g_fp8_ring;
+      if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
       plan.fused_combine = g_fused;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
@@ -212,6 +215,7 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
     if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
+    if (!std::strcmp(argv[i], "--fp8_regs") && i + 1 < argc) g_fp8_regs = std::atoi(argv[++i]) != 0;
     if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
     if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
@@ -304,7 +308,10 @@ int Main(int argc, char** argv) {
                   tiles[d][i].ctas_per_sm, tiles[d][i].ctas_per_sm_a100);
   std::printf("median of %d runs; GB/s counts the KV cache once; h_kv 1%s%s\n\n", runs,
               g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "",
-              g_fp8_ring ? "; fp8 rows: raw-row ring" : "; fp8 rows: dequantized in place");
+              g_fp8_ring           ? "; fp8 rows: raw-row ring"
+              : g_fp8_regs == 1    ? "; fp8 rows: converted in registers (16-row tile)"
+              : g_fp8_regs == 0    ? "; fp8 rows: dequantized in place"
+                                   : "; fp8 rows: the planner's pipeline (16-row tile: in registers from 16 tiles per split)");
   if (g_fused) std::printf("2-4 partition plans: merged in the decode kernel (--fused_combine)\n\n");
   std::printf(
       "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "

@@ -38,12 +38,18 @@ struct TileKernels {
   static cudaError_t Prepare(DType dtype) {
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
   }
-  static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, const DecodeArgs& args, cudaStream_t stream) {
+  static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, bool regs, const DecodeArgs& args,
+                            cudaStream_t stream) {
     constexpr KvDType kFp8 = KvDType::kFp8E4M3;
     if constexpr (kRows != 64) {  // the 64-row tile has no raw-row ring (DecodePlan::fp8_ring)
       if (kv_dtype == kFp8 && ring)
         return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8, true>::Launch(args, stream)
                                      : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
+    }
+    if constexpr (kRows == 16) {  // conversion in registers: the 16-row tile only (DecodePlan::fp8_regs)
+      if (kv_dtype == kFp8 && regs)
+        return dtype == DType::kBF16 ? Decoder<DType::kBF16, 16, kFp8, false, true>::Launch(args, stream)
+                                     : Decoder<DType::kFP16, 16, kFp8, false, true>::Launch(args, stream);
     }
     if (kv_dtype == kFp8)
       return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
@@ -347,6 +353,13 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
+  // Both FP8 pipelines of the 16-row tile fit as many CTAs per SM (ptxas: 238-247
+  // registers; 80 and 71 KB), so the occupancy above holds for either.
+  if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16 && sm80::TileConfig<16>::kFp8Regs &&
+      r.keys_per_split >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
+    r.fp8_regs = true;
+    r.smem_bytes = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::SmemBytes();
+  }
   *plan = r;
   return Status::Ok();
 }
@@ -403,13 +416,13 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
   cudaError_t e = cudaErrorInvalidValue;
   switch (plan.tile_rows) {
     case 16:
-      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, plan.fp8_regs, args, stream);
       break;
     case 32:
-      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
     case 64:
-      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, args, stream);
+      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
     default:
       return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +

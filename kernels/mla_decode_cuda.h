@@ -43,6 +43,12 @@ struct DecodePlan {
   // pipeline: raw rows in a 2-stage ring, each tile dequantized during the PV loop of
   // the tile before (round 11).
   bool fp8_ring = false;
+  // FP8 cache, 16-row tile: true converts the codes in registers straight into the mma
+  // fragments (no 16-bit copy in shared memory; docs/kernel-tuning.md, round 23).
+  // PlanDecode sets it where a partition has at least kFp8RegsMinTiles 32-key tiles
+  // (kernels/sm80/config.h): faster on long partitions, slower on short one-wave ones.
+  // Ignored for 16-bit caches, other tiles, and with fp8_ring.
+  bool fp8_regs = false;
   // Split plans of 2-4 partitions per stream: true merges them inside the decode kernel
   // (its last CTA per stream reads the partials back); false (PlanDecode's choice since
   // round 15 of docs/kernel-tuning.md) runs the combine kernel, which on SM90 launches

@@ -76,6 +76,8 @@ Gpu& TheGpu() {
 
 // FP8 cache pipeline the GPU runs use (DecodePlan::fp8_ring); tests that sweep both set it.
 bool g_fp8_ring = false;
+// FP8 conversion in registers (DecodePlan::fp8_regs): -1 the planner's choice, 0 off, 1 on.
+int g_fp8_regs = -1;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
 // Split-K merge (DecodePlan::fused_combine): 0 alternates call by call, so every sweep
@@ -111,6 +113,7 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan, g_force_tile);
   ASSERT_TRUE(s.ok()) << s.message;
   plan.fp8_ring = g_fp8_ring;
+  if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
   plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && (g_run_count++ % 2) == 0);
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
@@ -307,8 +310,9 @@ TEST(GpuDecode, Tile64Edges) {
 // The FP8 cache on every tile (16, 32, 64 rows per KV head) and split configuration:
 // the GPU against the CPU implementation, which dequantizes the same bytes to the same
 // 16-bit values. Random and heavy-tailed data; unowned rows are 0xff (NaN scales).
-void Fp8Sweep(bool ring) {
+void Fp8Sweep(bool ring, int regs) {
   g_fp8_ring = ring;
+  g_fp8_regs = regs;
   std::mt19937_64 rng(23);
   const int heads[][2] = {{16, 1}, {32, 1}, {64, 1}, {128, 1}, {16, 2}, {128, 2}};
   int n = 0, failed = 0;
@@ -345,20 +349,29 @@ void Fp8Sweep(bool ring) {
     ++n;
     if (!Check(s, rng)) ++failed;
   }
-  std::printf("fp8 cache sweep (%s): %d problems, %d failed\n", ring ? "raw-row ring" : "in place", n, failed);
+  std::printf("fp8 cache sweep (%s): %d problems, %d failed\n",
+              ring ? "raw-row ring" : regs == 1 ? "in registers (16-row tile)" : "in place", n, failed);
   EXPECT_EQ(failed, 0);
   g_fp8_ring = false;
+  g_fp8_regs = -1;
 }
 
 TEST(GpuDecode, SweepFp8Cache) {
   SKIP_WITHOUT_GPU();
-  Fp8Sweep(false);
+  Fp8Sweep(false, 0);
+}
+
+// The same with the 16-row tile's conversion in registers (DecodePlan::fp8_regs) on
+// every plan, short partitions included.
+TEST(GpuDecode, SweepFp8CacheRegs) {
+  SKIP_WITHOUT_GPU();
+  Fp8Sweep(false, 1);
 }
 
 // The same over the raw-row ring variant (DecodePlan::fp8_ring).
 TEST(GpuDecode, SweepFp8CacheRing) {
   SKIP_WITHOUT_GPU();
-  Fp8Sweep(true);
+  Fp8Sweep(true, -1);
 }
 
 // A small representative subset (the 16- and 32-row tiles, splits, causal, empty
@@ -379,12 +392,14 @@ TEST(GpuDecode, Subset) {
       Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
       Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
       s.kv_dtype = KvDType::kFp8E4M3;
-      for (bool ring : {false, true}) {
-        g_fp8_ring = ring;
+      for (int pipe = 0; pipe < 3; ++pipe) {  // in place, raw-row ring, in registers
+        g_fp8_ring = pipe == 1;
+        g_fp8_regs = pipe == 2 ? 1 : 0;
         Check(s, rng);
         Check(s, rng, 64);
       }
       g_fp8_ring = false;
+      g_fp8_regs = -1;
     }
 }
 

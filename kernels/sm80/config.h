@@ -44,10 +44,16 @@ struct TileConfig;
 // FP8 cache, 16-row tile: e4m3 codes converted in registers straight into mma fragments
 // (round 23): each warp's QK^T dims are its 128 PV columns' block plus 16 rope dims, so
 // one conversion serves as K and, transposed by movmatrix, as V; the stages hold raw
-// rows only (20.5 KB per 32 keys), so 3 of them fit with 2 CTAs per A100 SM.
+// rows only (20.5 KB per 32 keys), so 3 of them fit with 2 CTAs per A100 SM. Measured
+// faster when a CTA computes many tiles, slower on short one-wave CTAs, so the planner
+// picks it from this many 32-key tiles per partition (DecodePlan::fp8_regs).
 #ifndef LATENTD_FP8_REGS  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS false
+#define LATENTD_FP8_REGS true
 #endif
+#ifndef LATENTD_FP8_REGS_MIN_TILES  // overridable only to build tuning variants
+#define LATENTD_FP8_REGS_MIN_TILES 16
+#endif
+inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
 #endif

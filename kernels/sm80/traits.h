@@ -144,18 +144,18 @@ struct Fp8RegsSharedMemoryPlan<kRows, true> {
   static constexpr bool kPackedSlices = true;
 };
 
-// Whether an instantiation converts FP8 in registers (TileConfig::kFp8Regs).
-template <int kRows, KvDType kKv, bool kRing>
-inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && TileConfig<kRows>::kFp8Regs;
+// Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
+template <int kRows, KvDType kKv, bool kRing, bool kRegs>
+inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs && TileConfig<kRows>::kFp8Regs;
 
 // The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
 // registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
 // which FP8 in place shares.
-template <int kRows, KvDType kKv, bool kRing>
+template <int kRows, KvDType kKv, bool kRing, bool kRegs = false>
 using PlanOf = std::conditional_t<
     kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
     std::conditional_t<
-        kUsesFp8Regs<kRows, kKv, kRing>, Fp8RegsSharedMemoryPlan<kRows>,
+        kUsesFp8Regs<kRows, kKv, kRing, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
         std::conditional_t<kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead,
                            Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>>;
 
@@ -170,7 +170,7 @@ static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row ti
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
-static_assert(!TileConfig<16>::kFp8Regs || 2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
+static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
               "fp8 16-row tile converted in registers: 2 CTAs on A100");
 static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
 
