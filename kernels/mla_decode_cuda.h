@@ -47,7 +47,8 @@ struct DecodePlan {
   // fragments (no 16-bit copy in shared memory; docs/kernel-tuning.md, round 23).
   // PlanDecode sets it where a partition has at least kFp8RegsMinTiles 32-key tiles
   // (kernels/sm80/config.h): faster on long partitions, slower on short one-wave ones.
-  // Ignored for 16-bit caches, other tiles, and with fp8_ring.
+  // Ignored for 16-bit caches, other tiles, with fp8_ring, and while the build has the
+  // pipeline off (LATENTD_FP8_REGS).
   bool fp8_regs = false;
   // Split plans of 2-4 partitions per stream: true merges them inside the decode kernel
   // (its last CTA per stream reads the partials back); false (PlanDecode's choice since

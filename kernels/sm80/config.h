@@ -46,9 +46,11 @@ struct TileConfig;
 // one conversion serves as K and, transposed by movmatrix, as V; the stages hold raw
 // rows only (20.5 KB per 32 keys), so 3 of them fit with 2 CTAs per A100 SM. Measured
 // faster when a CTA computes many tiles, slower on short one-wave CTAs, so the planner
-// picks it from this many 32-key tiles per partition (DecodePlan::fp8_regs).
+// picks it from this many 32-key tiles per partition (DecodePlan::fp8_regs). Off until
+// compute-sanitizer has run on it (docs/kernel-tuning.md, round 23b): the planner never
+// picks it and a forced DecodePlan::fp8_regs runs the in-place pipeline.
 #ifndef LATENTD_FP8_REGS  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS true
+#define LATENTD_FP8_REGS false
 #endif
 #ifndef LATENTD_FP8_REGS_MIN_TILES  // overridable only to build tuning variants
 #define LATENTD_FP8_REGS_MIN_TILES 16
