@@ -170,8 +170,11 @@ static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row ti
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
-static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
+// Deeper register-path stages are SM90-sized variants (round 24): 2 CTAs on SM90 only.
+static_assert(TileConfig<16>::kFp8RegStages > 3 || 2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
               "fp8 16-row tile converted in registers: 2 CTAs on A100");
+static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 228 * 1024,
+              "fp8 16-row tile converted in registers: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
 
 }  // namespace latentd::kernels::sm80
