@@ -2,7 +2,7 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring] [--fp8_regs 0|1] [--fp8_reg_stages 3|5]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring] [--fp8_regs 0|1]
 //         [--fused_combine] [--splits N] [--shape b,h_q,s_k[,s_q]]
 // --shape times that one bf16 shape (causal when s_q > 1) instead of the table's rows.
 #include <cuda_runtime.h>
@@ -74,7 +74,6 @@ void ForceSplits(DecodePlan* plan, int s_k) {
   plan->keys_per_split = (want + 31) / 32 * 32;
   plan->num_splits = std::max(1, (s_k + plan->keys_per_split - 1) / plan->keys_per_split);
 }
-int g_fp8_reg_stages = 0;  // --fp8_reg_stages N: force DecodePlan::fp8_reg_stages (0: the planner's)
 int g_fp8_regs = -1;     // --fp8_regs 0|1: force DecodePlan::fp8_regs (-1: the planner's choice)
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
@@ -155,7 +154,6 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   ForceSplits(&r.plan, c.s_k);
   r.plan.fp8_ring = g_fp8_ring;
   if (g_fp8_regs >= 0) r.plan.fp8_regs = g_fp8_regs == 1;
-  if (g_fp8_reg_stages > 0) r.plan.fp8_reg_stages = g_fp8_reg_stages;
   r.plan.fused_combine = g_fused;
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
@@ -183,7 +181,6 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
       ForceSplits(&plan, c.s_k);
       plan.fp8_ring = g_fp8_ring;
       if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
-      if (g_fp8_reg_stages > 0) plan.fp8_reg_stages = g_fp8_reg_stages;
       plan.fused_combine = g_fused;
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
@@ -219,7 +216,6 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
     if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
     if (!std::strcmp(argv[i], "--fp8_regs") && i + 1 < argc) g_fp8_regs = std::atoi(argv[++i]) != 0;
-    if (!std::strcmp(argv[i], "--fp8_reg_stages") && i + 1 < argc) g_fp8_reg_stages = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
     if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];

@@ -38,8 +38,7 @@ struct TileKernels {
   static cudaError_t Prepare(DType dtype) {
     return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
   }
-  // reg_stages: DecodePlan::fp8_reg_stages where the plan converts FP8 in registers, else 0.
-  static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, int reg_stages, const DecodeArgs& args,
+  static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, bool regs, const DecodeArgs& args,
                             cudaStream_t stream) {
     constexpr KvDType kFp8 = KvDType::kFp8E4M3;
     if constexpr (kRows != 64) {  // the 64-row tile has no raw-row ring (DecodePlan::fp8_ring)
@@ -48,13 +47,9 @@ struct TileKernels {
                                      : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
     }
     if constexpr (kRows == 16) {  // conversion in registers: the 16-row tile only (DecodePlan::fp8_regs)
-      constexpr int kNarrow = sm80::TileConfig<16>::kFp8RegStages, kWide = sm80::TileConfig<16>::kFp8RegStagesWide;
-      if (kv_dtype == kFp8 && reg_stages == kNarrow)
-        return dtype == DType::kBF16 ? Decoder<DType::kBF16, 16, kFp8, false, kNarrow>::Launch(args, stream)
-                                     : Decoder<DType::kFP16, 16, kFp8, false, kNarrow>::Launch(args, stream);
-      if (kv_dtype == kFp8 && reg_stages == kWide)
-        return dtype == DType::kBF16 ? Decoder<DType::kBF16, 16, kFp8, false, kWide>::Launch(args, stream)
-                                     : Decoder<DType::kFP16, 16, kFp8, false, kWide>::Launch(args, stream);
+      if (kv_dtype == kFp8 && regs)
+        return dtype == DType::kBF16 ? Decoder<DType::kBF16, 16, kFp8, false, true>::Launch(args, stream)
+                                     : Decoder<DType::kFP16, 16, kFp8, false, true>::Launch(args, stream);
     }
     if (kv_dtype == kFp8)
       return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
@@ -289,11 +284,6 @@ Status CheckPlan(const MlaDecodeParams& p, const DecodePlan& plan, size_t worksp
   if (plan.row_tiles != (rows + plan.tile_rows - 1) / plan.tile_rows)
     return Status::Invalid("plan.row_tiles does not match the params' head counts and s_q");
   if (int64_t(p.batch) * p.h_kv > 65535) return {Code::kUnsupported, "batch * h_kv above 65535"};
-  if (plan.fp8_regs && !plan.fp8_ring && plan.tile_rows == 16 && p.kv_dtype == KvDType::kFp8E4M3 &&
-      plan.fp8_reg_stages != sm80::TileConfig<16>::kFp8RegStages &&
-      plan.fp8_reg_stages != sm80::TileConfig<16>::kFp8RegStagesWide)
-    return Status::Invalid("plan.fp8_reg_stages: expected " + std::to_string(sm80::TileConfig<16>::kFp8RegStages) +
-                           " or " + std::to_string(sm80::TileConfig<16>::kFp8RegStagesWide) + " (use PlanDecode)");
   if (plan.num_splits > 1) {
     const size_t need = DecodeWorkspaceBytes(p, plan);
     if (workspace_bytes < need || (need > 0 && workspace == nullptr))
@@ -364,20 +354,11 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   const int streams = p.batch * p.h_kv * r.row_tiles;
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
   // Both FP8 pipelines of the 16-row tile fit as many CTAs per SM (ptxas: 238-247
-  // registers; 80 and 71 KB, or 113 KB with the wide stages on a 228 KB SM), so the
-  // occupancy above holds for either. The stage count is the device's, set on every FP8
-  // 16-row plan so that a caller forcing fp8_regs gets a runnable plan.
-  if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16) {
-    constexpr KvDType kFp8 = KvDType::kFp8E4M3;
-    constexpr int kNarrow = sm80::TileConfig<16>::kFp8RegStages, kWide = sm80::TileConfig<16>::kFp8RegStagesWide;
-    const int wide_bytes = Decoder<DType::kBF16, 16, kFp8, false, kWide>::SmemBytes();
-    const bool wide = r.ctas_per_sm >= 2 && dev.max_smem_per_sm >= r.ctas_per_sm * (wide_bytes + 1024) &&
-                      dev.max_smem_per_block_optin >= wide_bytes;
-    r.fp8_reg_stages = wide ? kWide : kNarrow;
-    if (sm80::TileConfig<16>::kFp8Regs && r.keys_per_split >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
-      r.fp8_regs = true;
-      r.smem_bytes = wide ? wide_bytes : Decoder<DType::kBF16, 16, kFp8, false, kNarrow>::SmemBytes();
-    }
+  // registers; 80 and 71 KB), so the occupancy above holds for either.
+  if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16 && sm80::TileConfig<16>::kFp8Regs &&
+      r.keys_per_split >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
+    r.fp8_regs = true;
+    r.smem_bytes = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::SmemBytes();
   }
   *plan = r;
   return Status::Ok();
@@ -435,14 +416,13 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
   cudaError_t e = cudaErrorInvalidValue;
   switch (plan.tile_rows) {
     case 16:
-      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, plan.fp8_regs ? plan.fp8_reg_stages : 0, args,
-                                  stream);
+      e = TileKernels<16>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, plan.fp8_regs, args, stream);
       break;
     case 32:
-      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, 0, args, stream);
+      e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
     case 64:
-      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, 0, args, stream);
+      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
     default:
       return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +

@@ -50,11 +50,6 @@ struct DecodePlan {
   // Ignored for 16-bit caches, other tiles, with fp8_ring, and while the build has the
   // pipeline off (LATENTD_FP8_REGS).
   bool fp8_regs = false;
-  // Its raw-row stages: sm80::TileConfig<16>::kFp8RegStages (3: 2 CTAs per A100 SM) or
-  // kFp8RegStagesWide (5: 2 CTAs where an SM has 228 KB, H100/H200; 4 tiles in flight
-  // instead of 2, docs/kernel-tuning.md round 24). PlanDecode sets the device's on every
-  // FP8 plan of the 16-row tile; LaunchDecodeKernel rejects other values with fp8_regs.
-  int fp8_reg_stages = 0;
   // Split plans of 2-4 partitions per stream: true merges them inside the decode kernel
   // (its last CTA per stream reads the partials back); false (PlanDecode's choice since
   // round 15 of docs/kernel-tuning.md) runs the combine kernel, which on SM90 launches

@@ -11,13 +11,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <vector>
 
 #include "kernels/cpu/half.h"
 #include "kernels/cpu/mla_decode_cpu.h"
 #include "kernels/mla_decode_cuda.h"
-#include "kernels/sm80/config.h"
 #include "kernels/testing/problem.h"
 
 namespace latentd::kernels {
@@ -80,8 +78,6 @@ Gpu& TheGpu() {
 bool g_fp8_ring = false;
 // FP8 conversion in registers (DecodePlan::fp8_regs): -1 the planner's choice, 0 off, 1 on.
 int g_fp8_regs = -1;
-// Its stages (DecodePlan::fp8_reg_stages): 0 the planner's (the device's), else forced.
-int g_fp8_reg_stages = 0;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
 // Split-K merge (DecodePlan::fused_combine): 0 alternates call by call, so every sweep
@@ -118,7 +114,6 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   ASSERT_TRUE(s.ok()) << s.message;
   plan.fp8_ring = g_fp8_ring;
   if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
-  if (g_fp8_reg_stages > 0) plan.fp8_reg_stages = g_fp8_reg_stages;
   plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && (g_run_count++ % 2) == 0);
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
@@ -397,18 +392,14 @@ TEST(GpuDecode, Subset) {
       Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
       Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
       s.kv_dtype = KvDType::kFp8E4M3;
-      // In place, raw-row ring, in registers with the device's stages, then with the
-      // A100-sized stages (the same where the device has no room for the wide ones).
-      for (int pipe = 0; pipe < 4; ++pipe) {
+      for (int pipe = 0; pipe < 3; ++pipe) {  // in place, raw-row ring, in registers
         g_fp8_ring = pipe == 1;
-        g_fp8_regs = pipe >= 2 ? 1 : 0;
-        g_fp8_reg_stages = pipe == 3 ? sm80::TileConfig<16>::kFp8RegStages : 0;
+        g_fp8_regs = pipe == 2 ? 1 : 0;
         Check(s, rng);
         Check(s, rng, 64);
       }
       g_fp8_ring = false;
       g_fp8_regs = -1;
-      g_fp8_reg_stages = 0;
     }
 }
 
@@ -665,22 +656,6 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kWorkspaceTooSmall);
   plan.keys_per_split = 100;  // not whole KV tiles
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kInvalidArgument);
-
-  // FP8 in registers: the stage count is the device's (the wide one where 2 CTAs of it
-  // fit an SM), set on every FP8 16-row plan; any other count is refused.
-  bad = pr.Params();
-  bad.kv_dtype = KvDType::kFp8E4M3;
-  ASSERT_TRUE(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, 16);
-  const int wide = sm80::TileConfig<16>::kFp8RegStagesWide;
-  EXPECT_EQ(plan.fp8_reg_stages, g.dev.max_smem_per_sm >= 228 * 1024 ? wide : sm80::TileConfig<16>::kFp8RegStages);
-  std::printf("fp8 plan: fp8_regs %d, %d stages, %d B smem (device: %d B per SM)\n", plan.fp8_regs,
-              plan.fp8_reg_stages, plan.smem_bytes, g.dev.max_smem_per_sm);
-  plan.fp8_regs = true;
-  plan.fp8_reg_stages = 4;
-  const Status st = LaunchDecode(bad, plan, nullptr, 0, nullptr);
-  EXPECT_EQ(st.code, Code::kInvalidArgument);
-  EXPECT_NE(st.message.find("fp8_reg_stages"), std::string::npos) << st.message;
 
   TileOccupancy tiles[4];
   int n = 0;

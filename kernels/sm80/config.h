@@ -46,24 +46,18 @@ struct TileConfig;
 // one conversion serves as K and, transposed by movmatrix, as V; the stages hold raw
 // rows only (20.5 KB per 32 keys), so 3 of them fit with 2 CTAs per A100 SM. Measured
 // faster when a CTA computes many tiles, slower on short one-wave CTAs, so the planner
-// picks it from this many 32-key tiles per partition (DecodePlan::fp8_regs). Off until
-// compute-sanitizer has run on it (docs/kernel-tuning.md, round 23b): the planner never
-// picks it and a forced DecodePlan::fp8_regs runs the in-place pipeline.
+// picks it from this many 32-key tiles per partition (DecodePlan::fp8_regs; round 23b:
+// -7 to -8% at (64,16,4096), clean under compute-sanitizer). More stages on 228 KB SMs
+// gained nothing (round 24): the tile waits on its own instruction chain, not on copies.
 #ifndef LATENTD_FP8_REGS  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS false
+#define LATENTD_FP8_REGS true
 #endif
 #ifndef LATENTD_FP8_REGS_MIN_TILES  // overridable only to build tuning variants
 #define LATENTD_FP8_REGS_MIN_TILES 16
 #endif
 inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
-// Its raw-row stages: 3 fit 2 CTAs per A100 SM (164 KB); where an SM has 228 KB (H100,
-// H200) 5 fit 2 CTAs and put 4 tiles in flight instead of 2 (round 24). PlanDecode
-// takes the wide count where the device's shared memory per SM holds 2 such CTAs.
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
-#endif
-#ifndef LATENTD_FP8_REG_STAGES_WIDE  // overridable only to build tuning variants
-#define LATENTD_FP8_REG_STAGES_WIDE 5
 #endif
 template <>
 struct TileConfig<16> {
@@ -81,8 +75,7 @@ struct TileConfig<16> {
   static constexpr int kFp8MinCtasPerSm = LATENTD_TILE16_FP8_MIN_CTAS;
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
   static constexpr bool kFp8Regs = LATENTD_FP8_REGS;          // FP8: conversion in registers
-  static constexpr int kFp8RegStages = LATENTD_FP8_REG_STAGES;           // ... its raw stages (A100)
-  static constexpr int kFp8RegStagesWide = LATENTD_FP8_REG_STAGES_WIDE;  // ... on 228 KB SMs
+  static constexpr int kFp8RegStages = LATENTD_FP8_REG_STAGES;  // ... and its raw stages
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
   // only: here the second 16-bit stage plus the ring would leave 1 CTA per SM).
@@ -109,7 +102,6 @@ struct TileConfig<32> {
   static constexpr int kFp8Stages = 4;
   static constexpr bool kFp8Regs = false;  // the 16-row tile only
   static constexpr int kFp8RegStages = 0;
-  static constexpr int kFp8RegStagesWide = 0;
   static constexpr bool kFp8DequantAhead = false;
   static constexpr bool kPingPong = false;  // two groups only (the 64-row tile)
 };
@@ -148,7 +140,6 @@ struct TileConfig<64> {
   static constexpr int kFp8Stages = 4;  // unused: no raw-row ring variant of this tile
   static constexpr bool kFp8Regs = false;  // the 16-row tile only
   static constexpr int kFp8RegStages = 0;
-  static constexpr int kFp8RegStagesWide = 0;
   // FP8 cache: raw rows land in a 2-stage ring of their own (41 KB more shared memory);
   // tile t+1 is dequantized into the other 16-bit stage between tile t's PV mma, whose
   // issue slots are two-thirds idle (round 11), so the conversion costs no barriers.

@@ -340,15 +340,14 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // The 64-row tile instead lands raw rows in a ring of their own and converts tile t+1
 // during tile t's PV loop (TileConfig::kFp8DequantAhead).
 //
-// kRegStages > 0 (FP8, 16-row tile, chosen by DecodePlan::fp8_regs): the codes are converted
-// in registers straight into the mma fragments (round 23; see kRegs below), through that
-// many raw-row stages (TileConfig::kFp8RegStages or kFp8RegStagesWide, round 24).
+// kRegsPipe (FP8, 16-row tile, chosen by DecodePlan::fp8_regs): the codes are converted in
+// registers straight into the mma fragments (round 23; see kRegs below).
 //
 // kRing (FP8 only, chosen by DecodePlan::fp8_ring): the raw rows stream instead through
 // a ring of Cfg::kFp8Stages stages of their own (Fp8SharedMemoryPlan), each landed tile
 // dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
 // tile, more shared memory (docs/kernel-tuning.md, round 8).
-template <DType kDType, int kRows, KvDType kKv, bool kRing, int kRegStages>
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegsPipe>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
                                                           ? TileConfig<kRows>::kFp8MinCtasPerSm
                                                           : TileConfig<kRows>::kMinCtasPerSm)
@@ -371,12 +370,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // permuted, and Q's A fragments are loaded in the same order. movmatrix transposes each
   // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
   // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
-  constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegStages>;
-  using Plan = PlanOf<kRows, kKv, kRing, kRegStages>;
+  constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe>;
+  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   // Copies in flight + 1.
-  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : kRegs ? kRegStages : Cfg::kStages;
+  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : kRegs ? Cfg::kFp8RegStages : Cfg::kStages;
   // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
   // ahead (tile t+1 must have landed while tile t is computed).
   constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
@@ -1331,18 +1330,18 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 }
 
 // Host side of one instantiation.
-template <DType kDType, int kRows, KvDType kKv, bool kRing, int kRegStages>
-const void* Decoder<kDType, kRows, kKv, kRing, kRegStages>::Kernel() {
-  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegStages>);
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
+const void* Decoder<kDType, kRows, kKv, kRing, kRegs>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs>);
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, int kRegStages>
-int Decoder<kDType, kRows, kKv, kRing, kRegStages>::SmemBytes() {
-  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegStages>));
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
+int Decoder<kDType, kRows, kKv, kRing, kRegs>::SmemBytes() {
+  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs>));
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, int kRegStages>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegStages>::Prepare() {
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
+cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs>::Prepare() {
   // One bit per device: the attribute is per device and costs a driver call.
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -1350,18 +1349,18 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegStages>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, int kRegStages>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegStages>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
+cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs>::Launch(const DecodeArgs& args, cudaStream_t stream) {
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegStages><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -24,10 +24,9 @@ struct DecodeArgs {
 
 // Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline) instantiation:
 // explicit instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv].cu.
-// kRing: the FP8 cache's raw-row ring (DecodePlan::fp8_ring); kRegStages > 0: the FP8
-// cache converted in registers through that many stages (DecodePlan::fp8_regs and
-// fp8_reg_stages, the 16-row tile); 0: not in registers.
-template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false, int kRegStages = 0>
+// kRing: the FP8 cache's raw-row ring (DecodePlan::fp8_ring); kRegs: the FP8 cache
+// converted in registers (DecodePlan::fp8_regs, the 16-row tile).
+template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false, bool kRegs = false>
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();

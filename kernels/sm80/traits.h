@@ -119,24 +119,24 @@ struct Fp8AheadSharedMemoryPlan : SharedMemoryPlan<kRows> {
 // of key k at chunk q ^ 4 (k % 2), so the 8 lanes of a quarter-warp's 16-byte loads
 // (keys 2m and 2m+1, 4 chunks each) fall in 8 different bank groups. Rope values
 // [stage][key][64] in 16 bits, chunk r at r ^ (k % 8) for ldmatrix. Scales [stage][key][4].
-template <int kRows, bool kCoop = TileConfig<kRows>::kCoopReduce, int kStages = TileConfig<kRows>::kFp8RegStages>
+template <int kRows, bool kCoop = TileConfig<kRows>::kCoopReduce>
 struct Fp8RegsSharedMemoryPlan {
   using Cfg = TileConfig<kRows>;
   static_assert(Cfg::kQInRegisters, "conversion in registers: Q in registers (the 16-row tile)");
-  uint8_t kv[kStages][Cfg::kKeys][kHeadDimV];
-  uint16_t rope[kStages][Cfg::kKeys][kHeadDimQK - kHeadDimV];
-  float scales[kStages][Cfg::kKeys][kFp8Blocks];
+  uint8_t kv[Cfg::kFp8RegStages][Cfg::kKeys][kHeadDimV];
+  uint16_t rope[Cfg::kFp8RegStages][Cfg::kKeys][kHeadDimQK - kHeadDimV];
+  float scales[Cfg::kFp8RegStages][Cfg::kKeys][kFp8Blocks];
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 // The same with the cooperative reduction's scratch (as SharedMemoryPlan<k, false, true>).
-template <int kRows, int kStages>
-struct Fp8RegsSharedMemoryPlan<kRows, true, kStages> {
+template <int kRows>
+struct Fp8RegsSharedMemoryPlan<kRows, true> {
   using Cfg = TileConfig<kRows>;
   static constexpr int kGroupRows = kRows / Cfg::kGroups;
   static_assert(Cfg::kQInRegisters, "conversion in registers: Q in registers (the 16-row tile)");
-  uint8_t kv[kStages][Cfg::kKeys][kHeadDimV];
-  uint16_t rope[kStages][Cfg::kKeys][kHeadDimQK - kHeadDimV];
-  float scales[kStages][Cfg::kKeys][kFp8Blocks];
+  uint8_t kv[Cfg::kFp8RegStages][Cfg::kKeys][kHeadDimV];
+  uint16_t rope[Cfg::kFp8RegStages][Cfg::kKeys][kHeadDimQK - kHeadDimV];
+  float scales[Cfg::kFp8RegStages][Cfg::kKeys][kFp8Blocks];
   float s_part[Cfg::kGroups][kWarps][kWarps - 1][kGroupRows / 16][32][4];
   uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
@@ -145,18 +145,17 @@ struct Fp8RegsSharedMemoryPlan<kRows, true, kStages> {
 };
 
 // Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
-template <int kRows, KvDType kKv, bool kRing, int kRegStages>
-inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegStages > 0 && TileConfig<kRows>::kFp8Regs;
+template <int kRows, KvDType kKv, bool kRing, bool kRegs>
+inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs && TileConfig<kRows>::kFp8Regs;
 
 // The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
 // registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
 // which FP8 in place shares.
-template <int kRows, KvDType kKv, bool kRing, int kRegStages = 0>
+template <int kRows, KvDType kKv, bool kRing, bool kRegs = false>
 using PlanOf = std::conditional_t<
     kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
     std::conditional_t<
-        kUsesFp8Regs<kRows, kKv, kRing, kRegStages>,
-        Fp8RegsSharedMemoryPlan<kRows, TileConfig<kRows>::kCoopReduce, kRegStages>,
+        kUsesFp8Regs<kRows, kKv, kRing, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
         std::conditional_t<kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead,
                            Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>>;
 
@@ -171,13 +170,8 @@ static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row ti
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
-// Converted in registers: kFp8RegStages fit 2 CTAs per A100 SM, kFp8RegStagesWide 2 per
-// SM90 SM (round 24; the planner takes them where the SM's shared memory allows).
 static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
               "fp8 16-row tile converted in registers: 2 CTAs on A100");
-static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16, TileConfig<16>::kCoopReduce, TileConfig<16>::kFp8RegStagesWide>) +
-                   1024) <= 228 * 1024,
-              "fp8 16-row tile converted in registers, wide: 2 CTAs on SM90");
 static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
 
 }  // namespace latentd::kernels::sm80

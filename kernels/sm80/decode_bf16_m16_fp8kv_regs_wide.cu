@@ -1,3 +1,0 @@
-// SM80 MLA decode, bf16, 16-row tile, FP8 KV cache converted in registers, stages for 228 KB SMs (DecodePlan::fp8_reg_stages).
-#include "kernels/sm80/kernel.cuh"
-template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kBF16, 16, latentd::kernels::KvDType::kFp8E4M3, false, latentd::kernels::sm80::TileConfig<16>::kFp8RegStagesWide>;
