@@ -900,23 +900,75 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       // Key 8 i + lane / 4 of n8 tile i: the lane's 16 codes of each half H of the warp's
       // block (dims 128 warp + 64 H + 16 (lane % 4) ..), converted and scaled exactly as
       // in place (DequantChunk), then its rope k-step by ldmatrix.
+      if constexpr (!kFp8RegsKeyInner && !kFp8RegsSplitAcc) {
 #pragma unroll
-      for (int i = 0; i < kNT; ++i) {
-        const int key = 8 * i + (lane >> 2);
-        const uint32_t sp = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
+        for (int i = 0; i < kNT; ++i) {
+          const int key = 8 * i + (lane >> 2);
+          const uint32_t sp = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int q = warp * 8 + hh * 4 + (lane & 3);
-          const uint4 raw = *reinterpret_cast<const uint4*>(&sm.kv[stage][key][(q ^ ((key & 1) << 2)) << 4]);
-          const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
+          for (int hh = 0; hh < 2; ++hh) {
+            const int q = warp * 8 + hh * 4 + (lane & 3);
+            const uint4 raw = *reinterpret_cast<const uint4*>(&sm.kv[stage][key][(q ^ ((key & 1) << 2)) << 4]);
+            const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp);
-            const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp);
-            Mma<kDType>(s[0][i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
-            vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
-            vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp);
+              const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp);
+              Mma<kDType>(s[0][i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
+              vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
+              vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
+            }
           }
+        }
+      } else {
+        // Round 25 variants (kernels/sm80/config.h): the same operations, reordered.
+        uint32_t sp[kNT];
+        uint4 raw[kNT][2];
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+          const int key = 8 * i + (lane >> 2);
+          sp[i] = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int q = warp * 8 + hh * 4 + (lane & 3);
+            raw[i][hh] = *reinterpret_cast<const uint4*>(&sm.kv[stage][key][(q ^ ((key & 1) << 2)) << 4]);
+          }
+        }
+        // Round 25 variant: the second half's partial scores in accumulators of their own.
+        float s_hi[kFp8RegsSplitAcc ? kNT : 1][4];
+#pragma unroll
+        for (int i = 0; i < (kFp8RegsSplitAcc ? kNT : 1); ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_hi[i][e] = 0.f;
+        auto convert_step = [&](int i, int hh, int j) {
+          const uint32_t w = j == 0 ? raw[i][hh].x : j == 1 ? raw[i][hh].y : j == 2 ? raw[i][hh].z : raw[i][hh].w;
+          const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(w << 8), sp[i]);
+          const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(w), sp[i]);
+          float(&acc_s)[4] = kFp8RegsSplitAcc && hh == 1 ? s_hi[kFp8RegsSplitAcc ? i : 0] : s[0][i];
+          Mma<kDType>(acc_s, qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
+          vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
+          vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
+        };
+        if constexpr (kFp8RegsKeyInner) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int i = 0; i < kNT; ++i) convert_step(i, hh, j);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) convert_step(i, hh, j);
+        }
+        if constexpr (kFp8RegsSplitAcc) {
+#pragma unroll
+          for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][i][e] += s_hi[i][e];
         }
       }
       const uint32_t rope_base = SmemAddr(&sm.rope[stage][0][0]);
