@@ -56,18 +56,13 @@ struct TileConfig;
 #define LATENTD_FP8_REGS_MIN_TILES 16
 #endif
 inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
-// Round 25 variants of the register pipeline's QK loop (both off by default): KEY_INNER
-// issues a k-step for all four 8-key blocks before the next k-step (four independent mma
-// chains in source order instead of one chain of 8 per block); SPLIT_ACC gives each half
-// of the warp's block an accumulator of its own (chains of 4, summed once per tile).
-#ifndef LATENTD_FP8_REGS_KEY_INNER  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS_KEY_INNER false
+// Round 26 variant (off by default): the 16-row tile's QK loop from shared memory
+// (16-bit caches, FP8 in place) accumulates odd k-steps into partial scores of their
+// own (mma chains of 5 and 4 instead of 9, +16 registers, summed once per tile).
+#ifndef LATENTD_QK_SPLIT_ACC  // overridable only to build tuning variants
+#define LATENTD_QK_SPLIT_ACC false
 #endif
-#ifndef LATENTD_FP8_REGS_SPLIT_ACC  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS_SPLIT_ACC false
-#endif
-inline constexpr bool kFp8RegsKeyInner = LATENTD_FP8_REGS_KEY_INNER;
-inline constexpr bool kFp8RegsSplitAcc = LATENTD_FP8_REGS_SPLIT_ACC;
+inline constexpr bool kQkSplitAcc = LATENTD_QK_SPLIT_ACC;
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
 #endif
