@@ -56,13 +56,6 @@ struct TileConfig;
 #define LATENTD_FP8_REGS_MIN_TILES 16
 #endif
 inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
-// Round 26 variant (off by default): the 16-row tile's QK loop from shared memory
-// (16-bit caches, FP8 in place) accumulates odd k-steps into partial scores of their
-// own (mma chains of 5 and 4 instead of 9, +16 registers, summed once per tile).
-#ifndef LATENTD_QK_SPLIT_ACC  // overridable only to build tuning variants
-#define LATENTD_QK_SPLIT_ACC false
-#endif
-inline constexpr bool kQkSplitAcc = LATENTD_QK_SPLIT_ACC;
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
 #endif

@@ -949,14 +949,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         Mma<kDType>(s[0][2 * np + 1], qf[kRegs ? 8 : 0][0], kb[2], kb[3]);
       }
     }
-    // Round 26 variant (kQkSplitAcc, 16-row tile): odd k-steps into partial scores of
-    // their own, so that the two halves' mma chains interleave.
-    constexpr bool kSplitQk = kQkSplitAcc && kMT == 1 && !kRegs;
-    float s_odd[kSplitQk ? kNT : 1][4];
-#pragma unroll
-    for (int j = 0; j < (kSplitQk ? kNT : 1); ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_odd[j][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < (kRegs ? 0 : kKSteps); ++ks) {
       const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
@@ -983,21 +975,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         Ldmatrix4(kb, kv_base + Swizzle(key, chunk0 + ((lane >> 3) & 1)) * 2);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          if (kSplitQk && (ks & 1)) {
-            Mma<kDType>(s_odd[kSplitQk ? 2 * np : 0], a[mt], kb[0], kb[1]);
-            Mma<kDType>(s_odd[kSplitQk ? 2 * np + 1 : 0], a[mt], kb[2], kb[3]);
-          } else {
-            Mma<kDType>(s[mt][2 * np], a[mt], kb[0], kb[1]);
-            Mma<kDType>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
-          }
+          Mma<kDType>(s[mt][2 * np], a[mt], kb[0], kb[1]);
+          Mma<kDType>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
         }
       }
-    }
-    if constexpr (kSplitQk) {
-#pragma unroll
-      for (int j = 0; j < kNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][j][e] += s_odd[j][e];
     }
     if constexpr (kPingPong) {
       // Group 1, its QK of tile t done: tile t+1's copies (its own) have landed; group 0
