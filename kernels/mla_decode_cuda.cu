@@ -218,37 +218,6 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   return Status::Ok();
 }
 
-// Resident CTAs per SM of the FP8 register pipeline's kernel (16-row tile), where it
-// differs from the tile's 16-bit kernel (round 27's variant, kernels/sm80/config.h).
-std::atomic<int> g_fp8_regs_occupancy[kMaxCachedDevices][2];
-
-Status Fp8RegsOccupancy(int device, DType dtype, int* ctas) {
-  const int di = static_cast<int>(dtype);
-  if (di != 0 && di != 1) return {Code::kUnsupported, "no kernel for this dtype"};
-  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
-  if (cacheable) {
-    const int v = g_fp8_regs_occupancy[device][di].load(std::memory_order_relaxed);
-    if (v > 0) {
-      *ctas = v;
-      return Status::Ok();
-    }
-  }
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return CudaStatus(scope.error(), "cudaSetDevice");
-  using Bf16 = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>;
-  using Fp16 = Decoder<DType::kFP16, 16, KvDType::kFp8E4M3, false, true>;
-  cudaError_t e = dtype == DType::kBF16 ? Bf16::Prepare() : Fp16::Prepare();
-  if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
-  int n = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dtype == DType::kBF16 ? Bf16::Kernel() : Fp16::Kernel(),
-                                                    ThreadsOf(16), dtype == DType::kBF16 ? Bf16::SmemBytes() : Fp16::SmemBytes());
-  if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (n < 1) return {Code::kUnsupported, "FP8 register kernel does not fit on this device"};
-  if (cacheable) g_fp8_regs_occupancy[device][di].store(n, std::memory_order_relaxed);
-  *ctas = n;
-  return Status::Ok();
-}
-
 // Fewest keys worth a partition of its own: below this the prologue (Q load, pipeline
 // fill) and the combine row cost more than the keys' streaming time.
 #ifndef LATENTD_MIN_KEYS_PER_SPLIT  // overridable only to build tuning variants
@@ -386,22 +355,10 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
   // Both FP8 pipelines of the 16-row tile fit as many CTAs per SM (ptxas: 238-247
   // registers; 80 and 71 KB), so the occupancy above holds for either.
-  if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16 && sm80::TileConfig<16>::kFp8Regs) {
-    int ctas = r.ctas_per_sm, splits = r.num_splits, kps = r.keys_per_split;
-    if constexpr (sm80::kFp8RegsLean) {
-      // Round 27's variant fits more CTAs per SM than the tile's 16-bit kernel: its
-      // partitions are cut for its own occupancy.
-      s = Fp8RegsOccupancy(dev.device, p.dtype, &ctas);
-      if (!s.ok()) return s;
-      ChooseSplits(ctas * dev.sm_count, streams, max_len, &splits, &kps);
-    }
-    if (kps >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
-      r.fp8_regs = true;
-      r.ctas_per_sm = ctas;
-      r.num_splits = splits;
-      r.keys_per_split = kps;
-      r.smem_bytes = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::SmemBytes();
-    }
+  if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16 && sm80::TileConfig<16>::kFp8Regs &&
+      r.keys_per_split >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
+    r.fp8_regs = true;
+    r.smem_bytes = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::SmemBytes();
   }
   *plan = r;
   return Status::Ok();

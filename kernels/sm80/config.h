@@ -56,15 +56,6 @@ struct TileConfig;
 #define LATENTD_FP8_REGS_MIN_TILES 16
 #endif
 inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
-// Round 27 variant (off by default): the register pipeline without held V fragments.
-// The PV converts its V fragments a second time from the raw stage instead of keeping
-// the QK's 64 registers of them, QK keeps one accumulator per block, and the kernel is
-// compiled for 3 CTAs per SM (168 registers); build it with LATENTD_FP8_REG_STAGES=2
-// so that 3 CTAs' stages fit SM90's shared memory.
-#ifndef LATENTD_FP8_REGS_LEAN  // overridable only to build tuning variants
-#define LATENTD_FP8_REGS_LEAN false
-#endif
-inline constexpr bool kFp8RegsLean = LATENTD_FP8_REGS_LEAN;
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
 #endif

@@ -348,10 +348,9 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
 // tile, more shared memory (docs/kernel-tuning.md, round 8).
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegsPipe>
-__global__ void __launch_bounds__(kCtaThreads<kRows>,
-                                  kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe> && kFp8RegsLean ? 3
-                                  : kKv == KvDType::kFp8E4M3                                  ? TileConfig<kRows>::kFp8MinCtasPerSm
-                                                                                               : TileConfig<kRows>::kMinCtasPerSm)
+__global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
+                                                          ? TileConfig<kRows>::kFp8MinCtasPerSm
+                                                          : TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -729,44 +728,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>,
   // Converted in registers (kRegs): the tile's V fragments, [8-key block][half of the
   // warp's 128 columns][k-step of the half][pair (d, d+2) or (d+1, d+3)], each the
   // movmatrix transpose of a K fragment; n8 output tile 8 H + 2 j + pair.
-  // kFp8RegsLean (round 27): none held; the PV converts blocks 2 kk and 2 kk + 1 again
-  // from stage pv_stage, the same words and operations as the QK's.
-  constexpr bool kLean = kRegs && kFp8RegsLean;
-  uint32_t vfr[kRegs && !kLean ? kNT : 1][2][4][2];
-  int pv_stage = 0;
+  uint32_t vfr[kRegs ? kNT : 1][2][4][2];
   auto pv_kstep = [&](int kk, const uint32_t(&pa)[kMT][4], const uint32_t(&pl)[kSplitP ? kMT : 1][4],
                       uint32_t kv_base) {
-    if constexpr (kLean) {
-      uint32_t spv[2];
-      uint32_t wv[2][2][4];  // [block of the k-step][half H][word j]
-#pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const int key = 8 * (2 * kk + bb) + (lane >> 2);
-        spv[bb] = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[pv_stage][key][warp]));
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int q = warp * 8 + hh * 4 + (lane & 3);
-          const uint4 r = *reinterpret_cast<const uint4*>(&sm.kv[pv_stage][key][(q ^ ((key & 1) << 2)) << 4]);
-          wv[bb][hh][0] = r.x;
-          wv[bb][hh][1] = r.y;
-          wv[bb][hh][2] = r.z;
-          wv[bb][hh][3] = r.w;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kVT; ++i) {
-        const int hh = (i >> 3) & 1, j = (i >> 1) & 3;
-        uint32_t b[2];
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
-          const uint32_t w = (i & 1) ? wv[bb][hh][j] : wv[bb][hh][j] << 8;
-          b[bb] = MovTrans(Fma2NegZero<kDType>(E4m3PairBits<kDType>(w), spv[bb]));
-        }
-        Mma<kDType>(acc[0][i], pa[0], b[0], b[1]);
-        if constexpr (kSplitP) Mma<kDType>(acc[0][i], pl[0], b[0], b[1]);
-      }
-      return;
-    } else if constexpr (kRegs) {
+    if constexpr (kRegs) {
 #pragma unroll
       for (int i = 0; i < kVT; ++i) {
         const uint32_t b0 = vfr[kRegs ? 2 * kk : 0][(i >> 3) & 1][(i >> 1) & 3][i & 1];
@@ -950,10 +915,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>,
           raw[i][hh] = *reinterpret_cast<const uint4*>(&sm.kv[stage][key][(q ^ ((key & 1) << 2)) << 4]);
         }
       }
-      pv_stage = stage;
-      float s_hi[kLean ? 1 : kNT][4];
+      float s_hi[kNT][4];
 #pragma unroll
-      for (int i = 0; i < (kLean ? 1 : kNT); ++i)
+      for (int i = 0; i < kNT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s_hi[i][e] = 0.f;
 #pragma unroll
@@ -965,15 +929,13 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>,
           for (int j = 0; j < 4; ++j) {
             const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp[i]);
             const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp[i]);
-            Mma<kDType>(hh == 0 || kLean ? s[0][i] : s_hi[kLean ? 0 : i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
-            if constexpr (!kLean) {
-              vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
-              vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
-            }
+            Mma<kDType>(hh == 0 ? s[0][i] : s_hi[i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
+            vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
+            vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
           }
         }
 #pragma unroll
-      for (int i = 0; i < (kLean ? 0 : kNT); ++i)
+      for (int i = 0; i < kNT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][i][e] += s_hi[i][e];
       const uint32_t rope_base = SmemAddr(&sm.rope[stage][0][0]);
