@@ -12,6 +12,7 @@
 
 #include "kernels/sm80/config.h"
 #include "kernels/sm80/launch.h"
+#include "kernels/sm80/traits.h"
 
 namespace latentd::kernels {
 namespace {
@@ -88,23 +89,6 @@ const void* KernelOf(DType dtype, int tile_rows) {
   }
 }
 
-// Dynamic shared memory of a tile's kernel for a 16-bit cache, or for an FP8 cache's
-// default pipeline (the 64-row tile's adds a raw-row ring: TileConfig::kFp8DequantAhead).
-int SmemOf(int tile_rows, KvDType kv_dtype = KvDType::kModel) {
-  constexpr KvDType kFp8 = KvDType::kFp8E4M3;
-  const bool fp8 = kv_dtype == kFp8;
-  switch (tile_rows) {
-    case 16:
-      return fp8 ? Decoder<DType::kBF16, 16, kFp8>::SmemBytes() : Decoder<DType::kBF16, 16>::SmemBytes();
-    case 32:
-      return fp8 ? Decoder<DType::kBF16, 32, kFp8>::SmemBytes() : Decoder<DType::kBF16, 32>::SmemBytes();
-    case 64:
-      return fp8 ? Decoder<DType::kBF16, 64, kFp8>::SmemBytes() : Decoder<DType::kBF16, 64>::SmemBytes();
-    default:
-      return 0;
-  }
-}
-
 cudaError_t PrepareKernel(DType dtype, int tile_rows) {
   if (!KnownDType(dtype)) return cudaErrorInvalidValue;
   switch (tile_rows) {
@@ -139,28 +123,63 @@ class DeviceScope {
   cudaError_t err_ = cudaSuccess;
 };
 
-// Whether the 64-row tile has machine code for a device: it is built for SM90 only
-// (kernels/BUILD.bazel says why). Cached per device; asking costs one driver call.
+// The 64-row tile's machine code on a device, per cache dtype: its binary version (80:
+// the sm_80 code of A100-class GPUs, 90: SM90's), or 0 where it has none (FP8 caches:
+// SM90 only; GPUs past SM90: none; kernels/BUILD.bazel says why). Cached per device;
+// asking costs one driver call.
 constexpr int kMaxCachedDevicesForTile = 64;
-std::atomic<int> g_has64[kMaxCachedDevicesForTile];  // 0 unknown, 1 yes, 2 no
+std::atomic<int> g_tile64_image[kMaxCachedDevicesForTile][2];  // binary version + 1; 0 unknown
 
-const void* KernelOf(DType dtype, int tile_rows);
-
-bool Has64(int device) {
+int Tile64Image(int device, KvDType kv_dtype) {
+  const int ki = kv_dtype == KvDType::kFp8E4M3 ? 1 : 0;
   const bool cacheable = device >= 0 && device < kMaxCachedDevicesForTile;
   if (cacheable) {
-    const int v = g_has64[device].load(std::memory_order_relaxed);
-    if (v != 0) return v == 1;
+    const int v = g_tile64_image[device][ki].load(std::memory_order_relaxed);
+    if (v != 0) return v - 1;
   }
-  bool ok = false;
+  int version = 0;
   {
     DeviceScope scope(device);
     cudaFuncAttributes attr;
-    ok = scope.error() == cudaSuccess && cudaFuncGetAttributes(&attr, KernelOf(DType::kBF16, 64)) == cudaSuccess;
+    const void* fn = ki ? Decoder<DType::kBF16, 64, KvDType::kFp8E4M3>::Kernel() : Decoder<DType::kBF16, 64>::Kernel();
+    if (scope.error() == cudaSuccess && cudaFuncGetAttributes(&attr, fn) == cudaSuccess) version = attr.binaryVersion;
     cudaGetLastError();  // a missing image is not sticky; leave no error behind
+    // sm_80 machine code also runs on SM86/SM89 parts, whose 99 KB per CTA hold no plan
+    // of this tile: no usable image there.
+    int optin = 0;
+    const size_t plan = ki ? sizeof(sm80::PlanOf<64, KvDType::kFp8E4M3, false>)
+                           : version == 80 ? sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, true>)
+                                           : sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, false>);
+    if (version > 0 && (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+                        size_t(optin) < plan))
+      version = 0;
+    cudaGetLastError();
   }
-  if (cacheable) g_has64[device].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
+  if (cacheable) g_tile64_image[device][ki].store(version + 1, std::memory_order_relaxed);
+  return version;
+}
+
+bool Has64(int device, KvDType kv_dtype) { return Tile64Image(device, kv_dtype) > 0; }
+
+// Dynamic shared memory of a tile's kernel on a device for a 16-bit cache, or for an FP8
+// cache's default pipeline (the 64-row tile's adds a raw-row ring:
+// TileConfig::kFp8DequantAhead). The 64-row tile's sm_80 machine code has a plan of its
+// own (sm80::kQRegStepsOf).
+int SmemOf(int device, int tile_rows, KvDType kv_dtype = KvDType::kModel) {
+  constexpr KvDType kFp8 = KvDType::kFp8E4M3, kModel = KvDType::kModel;
+  const bool fp8 = kv_dtype == kFp8;
+  switch (tile_rows) {
+    case 16:
+      return fp8 ? Decoder<DType::kBF16, 16, kFp8>::SmemBytes() : Decoder<DType::kBF16, 16>::SmemBytes();
+    case 32:
+      return fp8 ? Decoder<DType::kBF16, 32, kFp8>::SmemBytes() : Decoder<DType::kBF16, 32>::SmemBytes();
+    case 64:
+      if (fp8) return Decoder<DType::kBF16, 64, kFp8>::SmemBytes();
+      return static_cast<int>(Tile64Image(device, kModel) == 80 ? sizeof(sm80::PlanOf<64, kModel, false, false, true>)
+                                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false>));
+    default:
+      return 0;
+  }
 }
 
 // Calls with at most this many query-row keys in all (batch x KV heads x rows per KV
@@ -184,7 +203,7 @@ int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p, int max_len)
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const bool small = int64_t(p.batch) * p.h_kv * rows * max_len <= kSmallCallRowKeys;
   if (TileRowsFor(rows) != 64 || small) return 16;
-  return Has64(dev.device) ? 64 : 32;
+  return Has64(dev.device, p.kv_dtype) ? 64 : 32;
 }
 
 // Resident CTAs per SM of a (dtype, tile) kernel on a device, from the occupancy
@@ -210,7 +229,7 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
   int n = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), ThreadsOf(tile_rows),
-                                                    SmemOf(tile_rows));
+                                                    SmemOf(device, tile_rows));
   if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (n < 1) return {Code::kUnsupported, "decode kernel does not fit on this device"};
   if (cacheable) g_occupancy[device][di][ti].store(n, std::memory_order_relaxed);
@@ -348,7 +367,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
   r.threads = ThreadsOf(r.tile_rows);
-  r.smem_bytes = SmemOf(r.tile_rows, p.kv_dtype);
+  r.smem_bytes = SmemOf(dev.device, r.tile_rows, p.kv_dtype);
   s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
@@ -463,7 +482,7 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
   *num_configs = 0;
   for (int tile : sm80::kTileRowOptions) {
     if (*num_configs >= max_configs) break;
-    if (tile == 64 && !Has64(dev.device)) continue;  // no machine code for this device
+    if (tile == 64 && !Has64(dev.device, KvDType::kModel)) continue;  // no machine code for this device
     const void* fn = KernelOf(dtype, tile);
     if (!fn) return {Code::kUnsupported, "dtype: no kernel"};
     cudaFuncAttributes attr;
@@ -473,7 +492,7 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
     t.tile_rows = tile;
     t.threads = ThreadsOf(tile);
     t.regs_per_thread = attr.numRegs;
-    t.smem_bytes = SmemOf(tile) + static_cast<int>(attr.sharedSizeBytes);
+    t.smem_bytes = SmemOf(dev.device, tile) + static_cast<int>(attr.sharedSizeBytes);
     Status s = Occupancy(dev.device, dtype, tile, &t.ctas_per_sm);
     if (!s.ok()) return s;
     // A100 (SM80): 64K registers per SM allocated per warp in units of 256, 164 KB of
@@ -481,7 +500,11 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
     const int warps = t.threads / 32;
     const int regs_per_warp = (t.regs_per_thread * 32 + 255) / 256 * 256;
     const int by_regs = 65536 / (regs_per_warp * warps);
-    const int by_smem = (164 * 1024) / (t.smem_bytes + 1024);
+    // The 64-row tile: the plan of its sm_80 machine code, whatever this device runs.
+    const int a100_smem = tile == 64 ? static_cast<int>(sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, true>)) +
+                                           static_cast<int>(attr.sharedSizeBytes)
+                                     : t.smem_bytes;
+    const int by_smem = (164 * 1024) / (a100_smem + 1024);
     const int by_threads = 2048 / t.threads;
     t.ctas_per_sm_a100 = std::min({by_regs, by_smem, by_threads, 32});
     configs[(*num_configs)++] = t;

@@ -101,7 +101,8 @@ Status LaunchCombine(const MlaDecodeParams& p, const DecodePlan& plan, void* wor
 
 // Resident CTAs per SM of each tile configuration on this device, and the number the
 // same kernel would have under A100 limits (164 KB shared memory, 64K registers per SM),
-// computed from its registers and shared memory (cudaFuncGetAttributes).
+// computed from its registers and shared memory (cudaFuncGetAttributes); for the 64-row
+// tile, from the shared memory of its sm_80 machine code's plan, the one A100s run.
 struct TileOccupancy {
   int tile_rows = 0;
   int threads = 0;

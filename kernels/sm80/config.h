@@ -125,6 +125,9 @@ struct TileConfig<32> {
 #ifndef LATENTD_FP8_DEQUANT_AHEAD  // overridable only to build tuning variants
 #define LATENTD_FP8_DEQUANT_AHEAD true
 #endif
+#ifndef LATENTD_TILE64_Q_REG_STEPS  // overridable only to build tuning variants
+#define LATENTD_TILE64_Q_REG_STEPS 0
+#endif
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
@@ -132,7 +135,7 @@ struct TileConfig<64> {
   static constexpr int kStages = 2;
   static constexpr bool kQInRegisters = false;
   static constexpr int kGroups = 2;
-  static constexpr int kQRegSteps = 0;
+  static constexpr int kQRegSteps = LATENTD_TILE64_Q_REG_STEPS;
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;
@@ -202,6 +205,13 @@ inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
 #define LATENTD_FP8_OWN_CHUNKS true
 #endif
 inline constexpr bool kFp8OwnChunks = LATENTD_FP8_OWN_CHUNKS;
+
+// Decode kernels built from compute_90 PTX (the 64-row tile's SM90 machine code) let a
+// programmatically dependent combine launch early (kernel.cuh); 0 leaves it to the
+// grid's end, as for kernels built from compute_80 PTX.
+#ifndef LATENTD_PDL_TRIGGER  // overridable only to build tuning variants
+#define LATENTD_PDL_TRIGGER 1
+#endif
 
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};

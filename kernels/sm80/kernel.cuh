@@ -353,9 +353,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
                                                           : TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && LATENTD_PDL_TRIGGER
   // A combine kernel launched after this one as a programmatic dependent may start now:
   // it waits (griddepcontrol.wait) for this grid's completion before reading anything.
+  // Only machine code built from compute_90 PTX holds it (the 64-row tile's SM90 code).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   using Cfg = TileConfig<kRows>;
@@ -371,7 +372,13 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
   // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
   constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe>;
-  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe>;
+  // sm_80 machine code (A100-class GPUs) keeps the 64-row tile within 163 KB (traits.h).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kSm80Code = true;
+#else
+  constexpr bool kSm80Code = false;
+#endif
+  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kSm80Code>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   // Copies in flight + 1.
@@ -391,7 +398,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr int kKSteps = kDimsPerWarp / 16;  // 9
   constexpr int kVT = kColsPerWarp / 8;       // 16 n8 output tiles per warp
   // k-steps of each warp's Q slice held in registers (all of them for the 16-row tile).
-  constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : Cfg::kQRegSteps;
+  constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kSm80Code>;  // with Q in shared memory
+  constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : kQRegSteps;
   static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
   static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
   static_assert((kN * (kHeadDimQK / 8)) % kCta == 0, "KV tile copy must divide evenly");
@@ -593,7 +601,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
     for (int id = tid; id < kRows * kQC; id += kCta) {
       const int r = id / kQC, chunk = id % kQC;
       const int w = chunk / kSliceChunks, c = chunk % kSliceChunks;
-      const int dim = w * kDimsPerWarp + (Cfg::kQRegSteps + c / 2) * 16 + (c & 1) * 8;
+      const int dim = w * kDimsPerWarp + (kQRegSteps + c / 2) * 16 + (c & 1) * 8;
       const bool valid = row0 + r < rows_kv;
       const uint16_t* src = valid ? q_row_ptr(r) + dim : static_cast<const uint16_t*>(p.q);
       CpAsync16(dst0 + SwizzleRow<kQC>(r, chunk) * 2, src, valid);
@@ -960,7 +968,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           for (int e = 0; e < 4; ++e) a[mt][e] = qf[ks < kRegSteps ? ks : 0][mt][e];
       } else if constexpr (!Cfg::kQInRegisters) {
         constexpr int kQC = Plan::kQChunks;
-        const int qchunk0 = (warp * (kKSteps - Cfg::kQRegSteps) + ks - Cfg::kQRegSteps) * 2;
+        const int qchunk0 = (warp * (kKSteps - kQRegSteps) + ks - kQRegSteps) * 2;
         const uint32_t q_base = SmemAddr(&sm.q[0][0]);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -1046,15 +1054,28 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           mx[mt][h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
           if ((lane & 3) == 0) sm.row_max[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = mx[mt][h];
         }
-      constexpr int kPPlane = kGroupRows * kN;  // elements per P plane
-      uint16_t* p_tile = &sm.p[grp][0][0][0];
+      // P's planes (high, low) and where this warp's slice of them goes: in its own
+      // partial-score slot (Plan::kPInSlots: planes of 8-key rows), or in the array p
+      // (planes of 32-key rows, each row's 8-key chunks swizzled by (row / 2) % 4).
+      constexpr bool kPInSlots = Plan::kPInSlots;
+      constexpr int kPPlane = kPInSlots ? kGroupRows * 8 : kGroupRows * kN;  // elements per P plane
+      uint16_t* p_tile;
+      if constexpr (kPInSlots) {
+        p_tile = reinterpret_cast<uint16_t*>(&sm.s_part[grp][warp][warp][0][0][0]);
+        // Every lane has read its partials from this slot (the same lane's addresses
+        // only, but the warp's stores below cover the whole slot).
+        __syncwarp();
+      } else {
+        p_tile = &sm.p[grp][0][0][0];
+      }
       // Writes this slice's P for (m-tile, half) against max m_use; returns its row sum.
       auto store_p = [&](int mt, int h, float m_use) {
         const float p0 = Exp2(fmaf(x[mt][2 * h], scale_log2, -m_use));
         const float p1 = Exp2(fmaf(x[mt][2 * h + 1], scale_log2, -m_use));
         // (row / 2) % 4 is (lane / 8) % 4 for every m-tile and half.
         const int row = mt * 16 + (lane >> 2) + 8 * h;
-        const int off = row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
+        const int off = kPInSlots ? row * 8 + (lane & 3) * 2
+                                  : row * kN + ((warp ^ ((lane >> 3) & 3)) << 3) + (lane & 3) * 2;
         const uint32_t hi = Pack2<kDType>(p0, p1);
         *reinterpret_cast<uint32_t*>(p_tile + off) = hi;
         if constexpr (kSplitP) *reinterpret_cast<uint32_t*>(p_tile + kPPlane + off) = PackLowBf16(p0, p1, hi);
@@ -1110,7 +1131,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         }
         GroupSync(bar);  // the group's P is complete
       }
-      const uint32_t p_base = SmemAddr(p_tile);
+      // Slots: slice c's P at slot [c][c], (kWarps + 1) slots after slice 0's.
+      constexpr uint32_t kSlotStride = sizeof(sm.s_part[0][0]) + sizeof(sm.s_part[0][0][0]);
+      const uint32_t p_base = kPInSlots ? SmemAddr(&sm.s_part[grp][0][0][0][0][0]) : SmemAddr(p_tile);
 #pragma unroll
       for (int kk = 0; kk < kNT / 2; ++kk) {
         uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
@@ -1118,7 +1141,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         for (int mt = 0; mt < kMT; ++mt) {
           // (row / 2) % 4 is (lane / 2) % 4 for every m-tile.
           const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = kk * 2 + (lane >> 4);
-          const uint32_t addr = p_base + (row * kN + ((chunk ^ ((lane >> 1) & 3)) << 3)) * 2;
+          const uint32_t addr = kPInSlots ? p_base + chunk * kSlotStride + row * 16
+                                          : p_base + (row * kN + ((chunk ^ ((lane >> 1) & 3)) << 3)) * 2;
           Ldmatrix4(pa[mt], addr);
           if constexpr (kSplitP) Ldmatrix4(pl[mt], addr + kPPlane * 2);
         }
@@ -1354,9 +1378,31 @@ const void* Decoder<kDType, kRows, kKv, kRing, kRegs>::Kernel() {
   return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs>);
 }
 
+// The plan's size for the machine code the current device runs: sm_80 machine code
+// (A100-class GPUs) may keep a smaller plan than SM90's (kQRegStepsOf); which image the
+// runtime picked is its binary version, cached per device.
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
 int Decoder<kDType, kRows, kKv, kRing, kRegs>::SmemBytes() {
-  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs>));
+  constexpr int kSm90 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, false>));
+  constexpr int kSm80 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, true>));
+  if constexpr (kSm80 == kSm90) {
+    return kSm90;
+  } else {
+    static std::atomic<int> version[64];  // binary version + 1 per device; 0 unknown
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return kSm90;
+    int v = dev >= 0 && dev < 64 ? version[dev].load(std::memory_order_relaxed) - 1 : -1;
+    if (v < 0) {
+      cudaFuncAttributes attr;
+      if (cudaFuncGetAttributes(&attr, Kernel()) != cudaSuccess) {
+        cudaGetLastError();  // no image for this device: the launch will say so
+        return kSm90;
+      }
+      v = attr.binaryVersion;
+      if (dev >= 0 && dev < 64) version[dev].store(v + 1, std::memory_order_relaxed);
+    }
+    return v < 90 ? kSm80 : kSm90;
+  }
 }
 
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>

@@ -11,12 +11,15 @@
 
 namespace latentd::kernels::sm80 {
 
-template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters, bool kCoop = TileConfig<kRows>::kCoopReduce>
+// kQRegSteps: k-steps of each warp's Q slice held in registers instead (Q in shared
+// memory only; the 64-row tile's sm_80 machine code holds 2, kQRegStepsOf below).
+template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters, bool kCoop = TileConfig<kRows>::kCoopReduce,
+          int kQRegSteps = TileConfig<kRows>::kQRegSteps>
 struct SharedMemoryPlan {
   using Cfg = TileConfig<kRows>;
   // 16-byte chunks of Q per row kept in shared memory: each warp's 9 k-steps of 16 dims,
   // less the kQRegSteps it holds in registers, warp after warp.
-  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;
+  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - kQRegSteps) * 2;
   // KV tiles, [stage][key][576] 16-bit elements, 16-byte chunks XOR-swizzled per row so
   // that the 8 rows one ldmatrix reads fall in 8 different bank groups.
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
@@ -28,8 +31,8 @@ struct SharedMemoryPlan {
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
 };
 
-template <int kRows>
-struct SharedMemoryPlan<kRows, false, false> {
+template <int kRows, int kQRegSteps>
+struct SharedMemoryPlan<kRows, false, false, kQRegSteps> {
   using Cfg = TileConfig<kRows>;
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
   float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
@@ -38,34 +41,36 @@ struct SharedMemoryPlan<kRows, false, false> {
 // The cooperative reduction (TileConfig::kCoopReduce): KV and Q as above; warp w of a
 // group reduces the scores of keys 8w .. 8w+7 of a tile, so the other warps leave it
 // their partials of those keys, and it writes that slice of P for all of the group.
-template <int kRows>
-struct SharedMemoryPlan<kRows, true, true> {
+template <int kRows, int kQRegSteps>
+struct SharedMemoryPlan<kRows, true, true, kQRegSteps> {
   using Cfg = TileConfig<kRows>;
   static constexpr int kGroupRows = kRows / Cfg::kGroups;
-  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;
+  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - kQRegSteps) * 2;
   static_assert(Cfg::kKeys == 8 * kWarps, "one 8-key slice per warp of a group");
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
   uint16_t q[kRows][kQChunks * 8];
   // [group][slice (its reducing warp)][source warp][m-tile][lane] x 4 floats in
-  // accumulator order, read back lane-for-lane (conflict-free). A reducer's own slot is
-  // unused: 8 KB more than packing 3 sources, for addresses that are one base register
-  // plus constants.
+  // accumulator order, read back lane-for-lane (conflict-free). A reducer's own slot
+  // [g][w][w] (1 KB) holds no partials: it holds the slice's P instead, as 16-bit values
+  // [high, low part (bf16 split)][row][8 keys], written by warp w after its reduction and
+  // read by the group's ldmatrix (16-byte rows, 8 rows per 128 bytes: conflict-free).
+  // No partial is ever written there, so the next tile's partials cannot overwrite a P
+  // still being read (round 28: 8 KB less, towards A100's 163 KB).
   float s_part[Cfg::kGroups][kWarps][kWarps][kGroupRows / 16][32][4];
-  // P as 16-bit values, [group][high, low part (bf16 split)][row][key]; a row's four
-  // 16-byte chunks XOR-swizzled by (row / 2) % 4, so that both the slice stores and the
-  // ldmatrix reads of 8 rows fall in 8 different bank groups.
-  uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
   // Per row, each slice's score maximum of the tile, and (in the epilogue) its sum of P.
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
   static constexpr bool kPackedSlices = false;
+  static constexpr bool kPInSlots = true;
+  static_assert(sizeof(s_part[0][0][0]) == 2 * kGroupRows * Cfg::kKeys / kWarps * sizeof(uint16_t),
+                "a slot holds both planes of one slice's P");
 };
 
 // Q in registers with the cooperative reduction (the 16-row tile's variant): the
 // partial-score slots packed, 3 sources per slice with no unused slot, since 2 CTAs per
 // A100 SM leave no room for it. KV first: the fused combine's weights go there.
-template <int kRows>
-struct SharedMemoryPlan<kRows, false, true> {
+template <int kRows, int kQRegSteps>
+struct SharedMemoryPlan<kRows, false, true, kQRegSteps> {
   using Cfg = TileConfig<kRows>;
   static constexpr int kGroupRows = kRows / Cfg::kGroups;
   static_assert(Cfg::kKeys == 8 * kWarps, "one 8-key slice per warp of a group");
@@ -76,6 +81,7 @@ struct SharedMemoryPlan<kRows, false, true> {
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
   static constexpr bool kPackedSlices = true;
+  static constexpr bool kPInSlots = false;  // P in its own array, p
 };
 
 // FP8 cache (kernels/kv_fp8.h): raw 656-byte rows stream through a ring of kFp8Stages
@@ -104,6 +110,7 @@ struct Fp8SharedMemoryPlan<kRows, true> {
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
   static constexpr bool kPackedSlices = true;
+  static constexpr bool kPInSlots = false;  // P in its own array, p
 };
 
 // FP8 cache, dequantized one tile ahead (TileConfig::kFp8DequantAhead): the 16-bit plan
@@ -142,7 +149,19 @@ struct Fp8RegsSharedMemoryPlan<kRows, true> {
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
   static constexpr bool kPackedSlices = true;
+  static constexpr bool kPInSlots = false;  // P in its own array, p
 };
+
+// Q k-steps per warp in registers of one instantiation's machine code. The 64-row tile
+// with a 16-bit cache holds kTile64Sm80QRegSteps of them in registers in its sm_80
+// machine code, so that its plan fits A100's 163 KB per CTA (round 28); SM90 machine
+// code, with 227 KB, keeps all of Q in shared memory (TileConfig<64>::kQRegSteps; 2 in
+// registers spill there). Other tiles: their TileConfig's.
+inline constexpr int kTile64Sm80QRegSteps = 2;
+template <int kRows, KvDType kKv, bool kSm80Code>
+inline constexpr int kQRegStepsOf = kRows == 64 && kKv == KvDType::kModel && kSm80Code
+                                        ? kTile64Sm80QRegSteps
+                                        : TileConfig<kRows>::kQRegSteps;
 
 // Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
 template <int kRows, KvDType kKv, bool kRing, bool kRegs>
@@ -151,19 +170,26 @@ inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs
 // The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
 // registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
 // which FP8 in place shares.
-template <int kRows, KvDType kKv, bool kRing, bool kRegs = false>
+// kSm80Code: the plan of the sm_80 machine code (kQRegStepsOf), else SM90's.
+template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Code = false>
 using PlanOf = std::conditional_t<
     kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
     std::conditional_t<
         kUsesFp8Regs<kRows, kKv, kRing, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
         std::conditional_t<kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead,
-                           Fp8AheadSharedMemoryPlan<kRows>, SharedMemoryPlan<kRows>>>>;
+                           Fp8AheadSharedMemoryPlan<kRows>,
+                           SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
+                                            kQRegStepsOf<kRows, kKv, kSm80Code>>>>>;
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
-// tiles; the 64-row tile (SM90 machine code only) must fit SM90's 227 KB per CTA.
+// tiles, one for the 64-row tile's sm_80 machine code; its SM90 machine code must fit
+// SM90's 227 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
-static_assert(sizeof(SharedMemoryPlan<64>) <= 227 * 1024, "64-row tile: within SM90's 227 KB per CTA (SM90 only, kernels/BUILD.bazel)");
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, true>) + 1024 <= 164 * 1024,
+              "64-row tile, sm_80 machine code: 1 CTA on A100");
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, false>) <= 227 * 1024,
+              "64-row tile, SM90 machine code: within SM90's 227 KB per CTA");
 static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row tile: within SM90's 227 KB per CTA");
 // FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
 // per CTA); one on A100, whose 164 KB hold one (docs/fp8-kv-cache.md).
