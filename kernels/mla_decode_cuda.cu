@@ -147,9 +147,13 @@ int Tile64Image(int device, KvDType kv_dtype) {
     // sm_80 machine code also runs on SM86/SM89 parts, whose 99 KB per CTA hold no plan
     // of this tile: no usable image there.
     int optin = 0;
+    constexpr KvDType kModel = KvDType::kModel;
+    const bool sm80_code = version == 80;
     const size_t plan = ki ? sizeof(sm80::PlanOf<64, KvDType::kFp8E4M3, false>)
-                           : version == 80 ? sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, true>)
-                                           : sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, false>);
+                           : std::max(sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, DType::kBF16>)
+                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false, DType::kBF16>),
+                                      sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, DType::kFP16>)
+                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false, DType::kFP16>));
     if (version > 0 && (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
                         size_t(optin) < plan))
       version = 0;
@@ -161,25 +165,31 @@ int Tile64Image(int device, KvDType kv_dtype) {
 
 bool Has64(int device, KvDType kv_dtype) { return Tile64Image(device, kv_dtype) > 0; }
 
-// Dynamic shared memory of a tile's kernel on a device for a 16-bit cache, or for an FP8
-// cache's default pipeline (the 64-row tile's adds a raw-row ring:
-// TileConfig::kFp8DequantAhead). The 64-row tile's sm_80 machine code has a plan of its
-// own (sm80::kQRegStepsOf).
-int SmemOf(int device, int tile_rows, KvDType kv_dtype = KvDType::kModel) {
+// Dynamic shared memory of a (dtype, tile) kernel on a device for a 16-bit cache, or for
+// an FP8 cache's default pipeline (the 64-row tile's adds a raw-row ring:
+// TileConfig::kFp8DequantAhead). The 64-row tile's plan depends on the machine code the
+// device runs and on the dtype (sm80::kQRegStepsOf).
+template <DType kDType>
+int SmemOfDType(int device, int tile_rows, KvDType kv_dtype) {
   constexpr KvDType kFp8 = KvDType::kFp8E4M3, kModel = KvDType::kModel;
   const bool fp8 = kv_dtype == kFp8;
   switch (tile_rows) {
     case 16:
-      return fp8 ? Decoder<DType::kBF16, 16, kFp8>::SmemBytes() : Decoder<DType::kBF16, 16>::SmemBytes();
+      return fp8 ? Decoder<kDType, 16, kFp8>::SmemBytes() : Decoder<kDType, 16>::SmemBytes();
     case 32:
-      return fp8 ? Decoder<DType::kBF16, 32, kFp8>::SmemBytes() : Decoder<DType::kBF16, 32>::SmemBytes();
+      return fp8 ? Decoder<kDType, 32, kFp8>::SmemBytes() : Decoder<kDType, 32>::SmemBytes();
     case 64:
-      if (fp8) return Decoder<DType::kBF16, 64, kFp8>::SmemBytes();
-      return static_cast<int>(Tile64Image(device, kModel) == 80 ? sizeof(sm80::PlanOf<64, kModel, false, false, true>)
-                                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false>));
+      if (fp8) return Decoder<kDType, 64, kFp8>::SmemBytes();
+      return static_cast<int>(Tile64Image(device, kModel) == 80
+                                  ? sizeof(sm80::PlanOf<64, kModel, false, false, true, kDType>)
+                                  : sizeof(sm80::PlanOf<64, kModel, false, false, false, kDType>));
     default:
       return 0;
   }
+}
+int SmemOf(int device, DType dtype, int tile_rows, KvDType kv_dtype = KvDType::kModel) {
+  return dtype == DType::kBF16 ? SmemOfDType<DType::kBF16>(device, tile_rows, kv_dtype)
+                               : SmemOfDType<DType::kFP16>(device, tile_rows, kv_dtype);
 }
 
 // Calls with at most this many query-row keys in all (batch x KV heads x rows per KV
@@ -229,7 +239,7 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
   int n = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), ThreadsOf(tile_rows),
-                                                    SmemOf(device, tile_rows));
+                                                    SmemOf(device, dtype, tile_rows));
   if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (n < 1) return {Code::kUnsupported, "decode kernel does not fit on this device"};
   if (cacheable) g_occupancy[device][di][ti].store(n, std::memory_order_relaxed);
@@ -367,7 +377,7 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   r.row_tiles = (rows + r.tile_rows - 1) / r.tile_rows;
   r.threads = ThreadsOf(r.tile_rows);
-  r.smem_bytes = SmemOf(dev.device, r.tile_rows, p.kv_dtype);
+  r.smem_bytes = SmemOf(dev.device, p.dtype, r.tile_rows, p.kv_dtype);
   s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
@@ -492,7 +502,7 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
     t.tile_rows = tile;
     t.threads = ThreadsOf(tile);
     t.regs_per_thread = attr.numRegs;
-    t.smem_bytes = SmemOf(dev.device, tile) + static_cast<int>(attr.sharedSizeBytes);
+    t.smem_bytes = SmemOf(dev.device, dtype, tile) + static_cast<int>(attr.sharedSizeBytes);
     Status s = Occupancy(dev.device, dtype, tile, &t.ctas_per_sm);
     if (!s.ok()) return s;
     // A100 (SM80): 64K registers per SM allocated per warp in units of 256, 164 KB of

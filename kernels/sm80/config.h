@@ -125,9 +125,6 @@ struct TileConfig<32> {
 #ifndef LATENTD_FP8_DEQUANT_AHEAD  // overridable only to build tuning variants
 #define LATENTD_FP8_DEQUANT_AHEAD true
 #endif
-#ifndef LATENTD_TILE64_Q_REG_STEPS  // overridable only to build tuning variants
-#define LATENTD_TILE64_Q_REG_STEPS 0
-#endif
 template <>
 struct TileConfig<64> {
   static constexpr int kRowsPerTile = 64;
@@ -135,7 +132,7 @@ struct TileConfig<64> {
   static constexpr int kStages = 2;
   static constexpr bool kQInRegisters = false;
   static constexpr int kGroups = 2;
-  static constexpr int kQRegSteps = LATENTD_TILE64_Q_REG_STEPS;
+  static constexpr int kQRegSteps = 0;  // FP8 caches; 16-bit caches: traits.h, kQRegStepsOf
   static constexpr int kExchangePasses = 1;
   static constexpr bool kCoopReduce = true;
   static constexpr int kMinCtasPerSm = 1;

@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 #else
   constexpr bool kSm80Code = false;
 #endif
-  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kSm80Code>;
+  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kSm80Code, kDType>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   // Copies in flight + 1.
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr int kKSteps = kDimsPerWarp / 16;  // 9
   constexpr int kVT = kColsPerWarp / 8;       // 16 n8 output tiles per warp
   // k-steps of each warp's Q slice held in registers (all of them for the 16-row tile).
-  constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kSm80Code>;  // with Q in shared memory
+  constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kSm80Code, kDType>;  // with Q in shared memory
   constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : kQRegSteps;
   static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
   static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
@@ -1383,8 +1383,8 @@ const void* Decoder<kDType, kRows, kKv, kRing, kRegs>::Kernel() {
 // runtime picked is its binary version, cached per device.
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
 int Decoder<kDType, kRows, kKv, kRing, kRegs>::SmemBytes() {
-  constexpr int kSm90 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, false>));
-  constexpr int kSm80 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, true>));
+  constexpr int kSm90 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, false, kDType>));
+  constexpr int kSm80 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, true, kDType>));
   if constexpr (kSm80 == kSm90) {
     return kSm90;
   } else {

@@ -152,16 +152,22 @@ struct Fp8RegsSharedMemoryPlan<kRows, true> {
   static constexpr bool kPInSlots = false;  // P in its own array, p
 };
 
-// Q k-steps per warp in registers of one instantiation's machine code. The 64-row tile
-// with a 16-bit cache holds kTile64Sm80QRegSteps of them in registers in its sm_80
-// machine code, so that its plan fits A100's 163 KB per CTA (round 28); SM90 machine
-// code, with 227 KB, keeps all of Q in shared memory (TileConfig<64>::kQRegSteps; 2 in
-// registers spill there). Other tiles: their TileConfig's.
+// Q k-steps per warp in registers of one instantiation's machine code (round 28). The
+// 64-row tile with a 16-bit cache: its sm_80 machine code holds 2, so that its plan fits
+// A100's 163 KB per CTA (162 KB); SM90 machine code, with 227 KB, holds 1 for bf16 (170
+// KB; 2 spill there) and 2 for fp16 (162 KB), each the fastest measured on an H100.
+// Other tiles and FP8 caches: their TileConfig's.
+#ifndef LATENTD_TILE64_SM90_BF16_Q_REG_STEPS  // overridable only to build tuning variants
+#define LATENTD_TILE64_SM90_BF16_Q_REG_STEPS 1
+#define LATENTD_TILE64_SM90_FP16_Q_REG_STEPS 2
+#endif
 inline constexpr int kTile64Sm80QRegSteps = 2;
-template <int kRows, KvDType kKv, bool kSm80Code>
-inline constexpr int kQRegStepsOf = kRows == 64 && kKv == KvDType::kModel && kSm80Code
-                                        ? kTile64Sm80QRegSteps
-                                        : TileConfig<kRows>::kQRegSteps;
+template <int kRows, KvDType kKv, bool kSm80Code, DType kDType>
+inline constexpr int kQRegStepsOf =
+    kRows != 64 || kKv != KvDType::kModel ? TileConfig<kRows>::kQRegSteps
+    : kSm80Code                           ? kTile64Sm80QRegSteps
+    : kDType == DType::kBF16              ? LATENTD_TILE64_SM90_BF16_Q_REG_STEPS
+                                          : LATENTD_TILE64_SM90_FP16_Q_REG_STEPS;
 
 // Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
 template <int kRows, KvDType kKv, bool kRing, bool kRegs>
@@ -170,8 +176,9 @@ inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs
 // The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
 // registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
 // which FP8 in place shares.
-// kSm80Code: the plan of the sm_80 machine code (kQRegStepsOf), else SM90's.
-template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Code = false>
+// kSm80Code: the plan of the sm_80 machine code (kQRegStepsOf), else SM90's, which may
+// differ by dtype.
+template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Code = false, DType kDType = DType::kBF16>
 using PlanOf = std::conditional_t<
     kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
     std::conditional_t<
@@ -179,16 +186,18 @@ using PlanOf = std::conditional_t<
         std::conditional_t<kKv == KvDType::kFp8E4M3 && TileConfig<kRows>::kFp8DequantAhead,
                            Fp8AheadSharedMemoryPlan<kRows>,
                            SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
-                                            kQRegStepsOf<kRows, kKv, kSm80Code>>>>>;
+                                            kQRegStepsOf<kRows, kKv, kSm80Code, kDType>>>>>;
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles, one for the 64-row tile's sm_80 machine code; its SM90 machine code must fit
 // SM90's 227 KB per CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
-static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, true>) + 1024 <= 164 * 1024,
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kBF16>) + 1024 <= 164 * 1024 &&
+                  sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kFP16>) + 1024 <= 164 * 1024,
               "64-row tile, sm_80 machine code: 1 CTA on A100");
-static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, false>) <= 227 * 1024,
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kBF16>) <= 227 * 1024 &&
+                  sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kFP16>) <= 227 * 1024,
               "64-row tile, SM90 machine code: within SM90's 227 KB per CTA");
 static_assert(sizeof(Fp8AheadSharedMemoryPlan<64>) <= 227 * 1024, "fp8 64-row tile: within SM90's 227 KB per CTA");
 // FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
