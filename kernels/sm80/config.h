@@ -116,9 +116,9 @@ struct TileConfig<32> {
 // shared memory, and writes its slice of P, which every warp of the group then reads as
 // the PV's A operand. The exchanges synchronise only the group (named barriers).
 // One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
-// partial slices 24 KB + P 8 KB + row maxima and sums 1 KB = 177 KB. Built for SM90
-// only (kernels/BUILD.bazel): it is over A100's 163 KB per CTA, so A100-class GPUs keep
-// the 32-row tile.
+// partial slices 32 KB (P in each reducer's own slot) + row maxima and sums 2 KB =
+// 178 KB, less 8 KB per Q k-step each warp holds in registers (traits.h, kQRegStepsOf:
+// 2 in the sm_80 machine code, which so fits A100's 163 KB per CTA; round 28).
 #ifndef LATENTD_PING_PONG  // overridable only to build tuning variants
 #define LATENTD_PING_PONG true
 #endif
