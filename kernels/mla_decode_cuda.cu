@@ -123,9 +123,22 @@ class DeviceScope {
   cudaError_t err_ = cudaSuccess;
 };
 
+// Shared memory of the 64-row tile's plan for the machine code of binary version
+// `version` (80: sm_80, whose plans fit A100s; sm80::kQRegStepsOf, kFp8AheadOf).
+template <DType kDType>
+size_t SmemOf64(int version, KvDType kv_dtype) {
+  constexpr KvDType kModel = KvDType::kModel, kFp8 = KvDType::kFp8E4M3;
+  const bool sm80_code = version == 80 || sm80::kForceSm80Plans;
+  if (kv_dtype == kFp8)
+    return sm80_code ? sizeof(sm80::PlanOf<64, kFp8, false, false, true, kDType>)
+                     : sizeof(sm80::PlanOf<64, kFp8, false, false, false, kDType>);
+  return sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, kDType>)
+                   : sizeof(sm80::PlanOf<64, kModel, false, false, false, kDType>);
+}
+
 // The 64-row tile's machine code on a device, per cache dtype: its binary version (80:
-// the sm_80 code of A100-class GPUs, 90: SM90's), or 0 where it has none (FP8 caches:
-// SM90 only; GPUs past SM90: none; kernels/BUILD.bazel says why). Cached per device;
+// the sm_80 code of A100-class GPUs, 90: SM90's), or 0 where it has none (GPUs past
+// SM90; kernels/BUILD.bazel says why) or cannot hold its plan. Cached per device;
 // asking costs one driver call.
 constexpr int kMaxCachedDevicesForTile = 64;
 std::atomic<int> g_tile64_image[kMaxCachedDevicesForTile][2];  // binary version + 1; 0 unknown
@@ -147,13 +160,7 @@ int Tile64Image(int device, KvDType kv_dtype) {
     // sm_80 machine code also runs on SM86/SM89 parts, whose 99 KB per CTA hold no plan
     // of this tile: no usable image there.
     int optin = 0;
-    constexpr KvDType kModel = KvDType::kModel;
-    const bool sm80_code = version == 80;
-    const size_t plan = ki ? sizeof(sm80::PlanOf<64, KvDType::kFp8E4M3, false>)
-                           : std::max(sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, DType::kBF16>)
-                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false, DType::kBF16>),
-                                      sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, DType::kFP16>)
-                                                : sizeof(sm80::PlanOf<64, kModel, false, false, false, DType::kFP16>));
+    const size_t plan = std::max(SmemOf64<DType::kBF16>(version, kv_dtype), SmemOf64<DType::kFP16>(version, kv_dtype));
     if (version > 0 && (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
                         size_t(optin) < plan))
       version = 0;
@@ -171,7 +178,7 @@ bool Has64(int device, KvDType kv_dtype) { return Tile64Image(device, kv_dtype) 
 // device runs and on the dtype (sm80::kQRegStepsOf).
 template <DType kDType>
 int SmemOfDType(int device, int tile_rows, KvDType kv_dtype) {
-  constexpr KvDType kFp8 = KvDType::kFp8E4M3, kModel = KvDType::kModel;
+  constexpr KvDType kFp8 = KvDType::kFp8E4M3;
   const bool fp8 = kv_dtype == kFp8;
   switch (tile_rows) {
     case 16:
@@ -179,10 +186,7 @@ int SmemOfDType(int device, int tile_rows, KvDType kv_dtype) {
     case 32:
       return fp8 ? Decoder<kDType, 32, kFp8>::SmemBytes() : Decoder<kDType, 32>::SmemBytes();
     case 64:
-      if (fp8) return Decoder<kDType, 64, kFp8>::SmemBytes();
-      return static_cast<int>(Tile64Image(device, kModel) == 80
-                                  ? sizeof(sm80::PlanOf<64, kModel, false, false, true, kDType>)
-                                  : sizeof(sm80::PlanOf<64, kModel, false, false, false, kDType>));
+      return static_cast<int>(SmemOf64<kDType>(Tile64Image(device, kv_dtype), kv_dtype));
     default:
       return 0;
   }

@@ -74,12 +74,11 @@ Gpu& TheGpu() {
   return *g;
 }
 
-// Whether this GPU runs the 64-row tile for a cache dtype: SM90 for both; A100 (SM80,
-// 163 KB per CTA) for 16-bit caches only; SM86/SM89 (99 KB) and later GPUs never
-// (kernels/BUILD.bazel).
+// Whether this GPU runs the 64-row tile for a cache dtype: SM90 and A100 (SM80, 163 KB
+// per CTA) for both; SM86/SM89 (99 KB) and later GPUs never (kernels/BUILD.bazel).
 bool Runs64(KvDType kv) {
   const DeviceInfo& d = TheGpu().dev;
-  return d.cc_major == 9 || (d.cc_major == 8 && d.cc_minor == 0 && kv == KvDType::kModel);
+  return d.cc_major == 9 || (d.cc_major == 8 && d.cc_minor == 0);
 }
 
 // FP8 cache pipeline the GPU runs use (DecodePlan::fp8_ring); tests that sweep both set it.

@@ -361,8 +361,14 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 #endif
   using Cfg = TileConfig<kRows>;
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
+  // sm_80 machine code (A100-class GPUs) keeps the 64-row tile within 163 KB (traits.h).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900) || LATENTD_FORCE_SM80_PLANS
+  constexpr bool kSm80Code = true;
+#else
+  constexpr bool kSm80Code = false;
+#endif
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
-  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && Cfg::kFp8DequantAhead;
+  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && kFp8AheadOf<kRows, kSm80Code>;
   // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; round 23). Warp w's
   // QK^T dims are the latent block it owns for PV (128 w .. 128 w + 127) plus rope dims
   // 16 w .. 16 w + 15. A lane's 16-byte load of its key's codes gives four 4-code words;
@@ -372,12 +378,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
   // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
   constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe>;
-  // sm_80 machine code (A100-class GPUs) keeps the 64-row tile within 163 KB (traits.h).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  constexpr bool kSm80Code = true;
-#else
-  constexpr bool kSm80Code = false;
-#endif
   using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kSm80Code, kDType>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
@@ -413,8 +413,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr int kRawOffset = kN * (kHeadDimQK * 2 - kFp8RowBytes);
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
   // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
-  // (config.h), 2 on the 32-row tile (one pass spills there).
-  constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : 2;
+  // (config.h), 2 on the 32-row tile (one pass spills there), kTile64Sm80Fp8Passes on
+  // the 64-row tile (its sm_80 machine code; SM90's dequantizes ahead).
+  constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : kRows == 64 ? kTile64Sm80Fp8Passes : 2;
   // FP8 in place, 16-row tile (kFp8OwnChunks, rounds 20 and 20b): each thread converts
   // exactly the raw chunks it copied, so it reads them as soon as its own copies have
   // landed, before the tile's first barrier, which then also orders every read before
@@ -1401,7 +1402,7 @@ int Decoder<kDType, kRows, kKv, kRing, kRegs>::SmemBytes() {
       v = attr.binaryVersion;
       if (dev >= 0 && dev < 64) version[dev].store(v + 1, std::memory_order_relaxed);
     }
-    return v < 90 ? kSm80 : kSm90;
+    return v < 90 || kForceSm80Plans ? kSm80 : kSm90;
   }
 }
 
