@@ -31,32 +31,36 @@ int TileIndex(int tile_rows) { return tile_rows == 16 ? 0 : tile_rows == 32 ? 1 
 // serves 64 rows), the 32-row tile between.
 int TileRowsFor(int rows) { return rows <= 16 ? 16 : rows < 64 ? 32 : 64; }
 
-template <int kRows>
+// One tile's kernels. kSm80Plan: the 64-row tile's A100 plans (sm_80 machine code only).
+template <int kRows, bool kSm80Plan = false>
 struct TileKernels {
-  static const void* Kernel(DType dtype) {
-    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Kernel() : Decoder<DType::kFP16, kRows>::Kernel();
+  template <DType kD, KvDType kKv = KvDType::kModel, bool kRing = false, bool kRegs = false>
+  using D = Decoder<kD, kRows, kKv, kRing, kRegs, kSm80Plan>;
+  static const void* Kernel(DType dtype, KvDType kv_dtype = KvDType::kModel) {
+    constexpr KvDType kFp8 = KvDType::kFp8E4M3;
+    if (kv_dtype == kFp8) return dtype == DType::kBF16 ? D<DType::kBF16, kFp8>::Kernel() : D<DType::kFP16, kFp8>::Kernel();
+    return dtype == DType::kBF16 ? D<DType::kBF16>::Kernel() : D<DType::kFP16>::Kernel();
   }
   static cudaError_t Prepare(DType dtype) {
-    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Prepare() : Decoder<DType::kFP16, kRows>::Prepare();
+    return dtype == DType::kBF16 ? D<DType::kBF16>::Prepare() : D<DType::kFP16>::Prepare();
   }
   static cudaError_t Launch(DType dtype, KvDType kv_dtype, bool ring, bool regs, const DecodeArgs& args,
                             cudaStream_t stream) {
     constexpr KvDType kFp8 = KvDType::kFp8E4M3;
     if constexpr (kRows != 64) {  // the 64-row tile has no raw-row ring (DecodePlan::fp8_ring)
       if (kv_dtype == kFp8 && ring)
-        return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8, true>::Launch(args, stream)
-                                     : Decoder<DType::kFP16, kRows, kFp8, true>::Launch(args, stream);
+        return dtype == DType::kBF16 ? D<DType::kBF16, kFp8, true>::Launch(args, stream)
+                                     : D<DType::kFP16, kFp8, true>::Launch(args, stream);
     }
     if constexpr (kRows == 16) {  // conversion in registers: the 16-row tile only (DecodePlan::fp8_regs)
       if (kv_dtype == kFp8 && regs)
-        return dtype == DType::kBF16 ? Decoder<DType::kBF16, 16, kFp8, false, true>::Launch(args, stream)
-                                     : Decoder<DType::kFP16, 16, kFp8, false, true>::Launch(args, stream);
+        return dtype == DType::kBF16 ? D<DType::kBF16, kFp8, false, true>::Launch(args, stream)
+                                     : D<DType::kFP16, kFp8, false, true>::Launch(args, stream);
     }
     if (kv_dtype == kFp8)
-      return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows, kFp8>::Launch(args, stream)
-                                   : Decoder<DType::kFP16, kRows, kFp8>::Launch(args, stream);
-    return dtype == DType::kBF16 ? Decoder<DType::kBF16, kRows>::Launch(args, stream)
-                                 : Decoder<DType::kFP16, kRows>::Launch(args, stream);
+      return dtype == DType::kBF16 ? D<DType::kBF16, kFp8>::Launch(args, stream)
+                                   : D<DType::kFP16, kFp8>::Launch(args, stream);
+    return dtype == DType::kBF16 ? D<DType::kBF16>::Launch(args, stream) : D<DType::kFP16>::Launch(args, stream);
   }
 };
 
@@ -75,7 +79,8 @@ int ThreadsOf(int tile_rows) {
 
 bool KnownDType(DType dtype) { return dtype == DType::kBF16 || dtype == DType::kFP16; }
 
-const void* KernelOf(DType dtype, int tile_rows) {
+// sm80_plan: the 64-row tile's A100 plan (Tile64Plan).
+const void* KernelOf(DType dtype, int tile_rows, bool sm80_plan) {
   if (!KnownDType(dtype)) return nullptr;
   switch (tile_rows) {
     case 16:
@@ -83,13 +88,13 @@ const void* KernelOf(DType dtype, int tile_rows) {
     case 32:
       return TileKernels<32>::Kernel(dtype);
     case 64:
-      return TileKernels<64>::Kernel(dtype);
+      return sm80_plan ? TileKernels<64, true>::Kernel(dtype) : TileKernels<64>::Kernel(dtype);
     default:
       return nullptr;
   }
 }
 
-cudaError_t PrepareKernel(DType dtype, int tile_rows) {
+cudaError_t PrepareKernel(DType dtype, int tile_rows, bool sm80_plan) {
   if (!KnownDType(dtype)) return cudaErrorInvalidValue;
   switch (tile_rows) {
     case 16:
@@ -97,7 +102,7 @@ cudaError_t PrepareKernel(DType dtype, int tile_rows) {
     case 32:
       return TileKernels<32>::Prepare(dtype);
     case 64:
-      return TileKernels<64>::Prepare(dtype);
+      return sm80_plan ? TileKernels<64, true>::Prepare(dtype) : TileKernels<64>::Prepare(dtype);
     default:
       return cudaErrorInvalidValue;
   }
@@ -123,59 +128,65 @@ class DeviceScope {
   cudaError_t err_ = cudaSuccess;
 };
 
-// Shared memory of the 64-row tile's plan for the machine code of binary version
-// `version` (80: sm_80, whose plans fit A100s; sm80::kQRegStepsOf, kFp8AheadOf).
+// Which plan of the 64-row tile a device runs: the SM90 plan's kernels are SM90 machine
+// code only, the A100 plan's sm_80 machine code only (kernels/BUILD.bazel), so it is the
+// one the runtime has an image of; none on SM86/SM89 parts (sm_80 code runs there, but
+// their 99 KB per CTA hold no plan of this tile) and on GPUs past SM90. Per cache dtype,
+// cached per device; asking costs a few driver calls once.
+enum class Tile64Plan { kNone = 1, kSm90, kSm80 };
+constexpr int kMaxCachedDevicesForTile = 64;
+std::atomic<int> g_tile64_plan[kMaxCachedDevicesForTile][2];  // a Tile64Plan; 0 unknown
+
+// Shared memory of the 64-row tile's plan (sm80::kQRegStepsOf, kFp8AheadOf).
 template <DType kDType>
-size_t SmemOf64(int version, KvDType kv_dtype) {
+size_t SmemOf64(bool sm80_plan, KvDType kv_dtype) {
   constexpr KvDType kModel = KvDType::kModel, kFp8 = KvDType::kFp8E4M3;
-  const bool sm80_code = version == 80 || sm80::kForceSm80Plans;
   if (kv_dtype == kFp8)
-    return sm80_code ? sizeof(sm80::PlanOf<64, kFp8, false, false, true, kDType>)
-                     : sizeof(sm80::PlanOf<64, kFp8, false, false, false, kDType>);
-  return sm80_code ? sizeof(sm80::PlanOf<64, kModel, false, false, true, kDType>)
-                   : sizeof(sm80::PlanOf<64, kModel, false, false, false, kDType>);
+    return sm80_plan ? Decoder<kDType, 64, kFp8, false, false, true>::SmemBytes() : Decoder<kDType, 64, kFp8>::SmemBytes();
+  return sm80_plan ? Decoder<kDType, 64, kModel, false, false, true>::SmemBytes() : Decoder<kDType, 64>::SmemBytes();
 }
 
-// The 64-row tile's machine code on a device, per cache dtype: its binary version (80:
-// the sm_80 code of A100-class GPUs, 90: SM90's), or 0 where it has none (GPUs past
-// SM90; kernels/BUILD.bazel says why) or cannot hold its plan. Cached per device;
-// asking costs one driver call.
-constexpr int kMaxCachedDevicesForTile = 64;
-std::atomic<int> g_tile64_image[kMaxCachedDevicesForTile][2];  // binary version + 1; 0 unknown
-
-int Tile64Image(int device, KvDType kv_dtype) {
+Tile64Plan PlanOf64(int device, KvDType kv_dtype) {
   const int ki = kv_dtype == KvDType::kFp8E4M3 ? 1 : 0;
   const bool cacheable = device >= 0 && device < kMaxCachedDevicesForTile;
   if (cacheable) {
-    const int v = g_tile64_image[device][ki].load(std::memory_order_relaxed);
-    if (v != 0) return v - 1;
+    const int v = g_tile64_plan[device][ki].load(std::memory_order_relaxed);
+    if (v != 0) return static_cast<Tile64Plan>(v);
   }
-  int version = 0;
+  Tile64Plan plan = Tile64Plan::kNone;
   {
     DeviceScope scope(device);
     cudaFuncAttributes attr;
-    const void* fn = ki ? Decoder<DType::kBF16, 64, KvDType::kFp8E4M3>::Kernel() : Decoder<DType::kBF16, 64>::Kernel();
-    if (scope.error() == cudaSuccess && cudaFuncGetAttributes(&attr, fn) == cudaSuccess) version = attr.binaryVersion;
+    if (scope.error() == cudaSuccess) {
+      if (cudaFuncGetAttributes(&attr, TileKernels<64>::Kernel(DType::kBF16, kv_dtype)) == cudaSuccess) {
+        plan = Tile64Plan::kSm90;
+      } else if (cudaFuncGetAttributes(&attr, TileKernels<64, true>::Kernel(DType::kBF16, kv_dtype)) == cudaSuccess) {
+        plan = Tile64Plan::kSm80;
+      }
+    }
     cudaGetLastError();  // a missing image is not sticky; leave no error behind
-    // sm_80 machine code also runs on SM86/SM89 parts, whose 99 KB per CTA hold no plan
-    // of this tile: no usable image there.
+    const bool sm80 = plan == Tile64Plan::kSm80;
+    const size_t need = std::max(SmemOf64<DType::kBF16>(sm80, kv_dtype), SmemOf64<DType::kFP16>(sm80, kv_dtype));
     int optin = 0;
-    const size_t plan = std::max(SmemOf64<DType::kBF16>(version, kv_dtype), SmemOf64<DType::kFP16>(version, kv_dtype));
-    if (version > 0 && (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-                        size_t(optin) < plan))
-      version = 0;
+    if (plan != Tile64Plan::kNone &&
+        (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+         size_t(optin) < need))
+      plan = Tile64Plan::kNone;
     cudaGetLastError();
   }
-  if (cacheable) g_tile64_image[device][ki].store(version + 1, std::memory_order_relaxed);
-  return version;
+  if (cacheable) g_tile64_plan[device][ki].store(static_cast<int>(plan), std::memory_order_relaxed);
+  return plan;
 }
 
-bool Has64(int device, KvDType kv_dtype) { return Tile64Image(device, kv_dtype) > 0; }
+bool Has64(int device, KvDType kv_dtype) { return PlanOf64(device, kv_dtype) != Tile64Plan::kNone; }
+bool Sm80Plan64(int device, KvDType kv_dtype = KvDType::kModel) {
+  return PlanOf64(device, kv_dtype) == Tile64Plan::kSm80;
+}
 
 // Dynamic shared memory of a (dtype, tile) kernel on a device for a 16-bit cache, or for
-// an FP8 cache's default pipeline (the 64-row tile's adds a raw-row ring:
-// TileConfig::kFp8DequantAhead). The 64-row tile's plan depends on the machine code the
-// device runs and on the dtype (sm80::kQRegStepsOf).
+// an FP8 cache's default pipeline (the 64-row tile's SM90 plan adds a raw-row ring:
+// TileConfig::kFp8DequantAhead). The 64-row tile's plan depends on the device and on the
+// dtype (sm80::kQRegStepsOf).
 template <DType kDType>
 int SmemOfDType(int device, int tile_rows, KvDType kv_dtype) {
   constexpr KvDType kFp8 = KvDType::kFp8E4M3;
@@ -186,7 +197,7 @@ int SmemOfDType(int device, int tile_rows, KvDType kv_dtype) {
     case 32:
       return fp8 ? Decoder<kDType, 32, kFp8>::SmemBytes() : Decoder<kDType, 32>::SmemBytes();
     case 64:
-      return static_cast<int>(SmemOf64<kDType>(Tile64Image(device, kv_dtype), kv_dtype));
+      return static_cast<int>(SmemOf64<kDType>(Sm80Plan64(device, kv_dtype), kv_dtype));
     default:
       return 0;
   }
@@ -241,10 +252,11 @@ Status Occupancy(int device, DType dtype, int tile_rows, int* ctas) {
   }
   DeviceScope scope(device);
   if (scope.error() != cudaSuccess) return CudaStatus(scope.error(), "cudaSetDevice");
-  cudaError_t e = PrepareKernel(dtype, tile_rows);
+  const bool sm80 = tile_rows == 64 && Sm80Plan64(device);
+  cudaError_t e = PrepareKernel(dtype, tile_rows, sm80);
   if (e != cudaSuccess) return CudaStatus(e, "cudaFuncSetAttribute(max dynamic shared memory)");
   int n = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows), ThreadsOf(tile_rows),
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelOf(dtype, tile_rows, sm80), ThreadsOf(tile_rows),
                                                     SmemOf(device, dtype, tile_rows));
   if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (n < 1) return {Code::kUnsupported, "decode kernel does not fit on this device"};
@@ -456,9 +468,16 @@ Status LaunchDecodeKernel(const MlaDecodeParams& p, const DecodePlan& plan, void
     case 32:
       e = TileKernels<32>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
-    case 64:
-      e = TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
+    case 64: {
+      // The device the launch goes to (the current one) picks the plan.
+      int device = 0;
+      e = cudaGetDevice(&device);
+      if (e != cudaSuccess) break;
+      e = Sm80Plan64(device, p.kv_dtype)
+              ? TileKernels<64, true>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream)
+              : TileKernels<64>::Launch(p.dtype, p.kv_dtype, plan.fp8_ring, false, args, stream);
       break;
+    }
     default:
       return Status::Invalid(std::string("no ") + DTypeName(p.dtype) + " kernel for tile_rows " +
                              std::to_string(plan.tile_rows));
@@ -499,7 +518,8 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
   for (int tile : sm80::kTileRowOptions) {
     if (*num_configs >= max_configs) break;
     if (tile == 64 && !Has64(dev.device, KvDType::kModel)) continue;  // no machine code for this device
-    const void* fn = KernelOf(dtype, tile);
+    const bool sm80 = tile == 64 && Sm80Plan64(dev.device);
+    const void* fn = KernelOf(dtype, tile, sm80);
     if (!fn) return {Code::kUnsupported, "dtype: no kernel"};
     cudaFuncAttributes attr;
     cudaError_t e = cudaFuncGetAttributes(&attr, fn);
@@ -516,8 +536,8 @@ Status DescribeTiles(const DeviceInfo& dev, DType dtype, TileOccupancy* configs,
     const int warps = t.threads / 32;
     const int regs_per_warp = (t.regs_per_thread * 32 + 255) / 256 * 256;
     const int by_regs = 65536 / (regs_per_warp * warps);
-    // The 64-row tile: the plan of its sm_80 machine code, whatever this device runs.
-    const int a100_smem = tile == 64 ? static_cast<int>(sizeof(sm80::PlanOf<64, KvDType::kModel, false, false, true>)) +
+    // The 64-row tile: its A100 plan, whatever this device runs.
+    const int a100_smem = tile == 64 ? static_cast<int>(SmemOf64<DType::kBF16>(true, KvDType::kModel)) +
                                            static_cast<int>(attr.sharedSizeBytes)
                                      : t.smem_bytes;
     const int by_smem = (164 * 1024) / (a100_smem + 1024);

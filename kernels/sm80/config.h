@@ -203,13 +203,6 @@ inline constexpr int kFp8InPlacePasses = LATENTD_FP8_INPLACE_PASSES;
 #endif
 inline constexpr bool kFp8OwnChunks = LATENTD_FP8_OWN_CHUNKS;
 
-// Decode kernels built from compute_90 PTX (the 64-row tile's SM90 machine code) let a
-// programmatically dependent combine launch early (kernel.cuh); 0 leaves it to the
-// grid's end, as for kernels built from compute_80 PTX.
-#ifndef LATENTD_PDL_TRIGGER  // overridable only to build tuning variants
-#define LATENTD_PDL_TRIGGER 1
-#endif
-
 // Row tiles the planner can choose, smallest first.
 inline constexpr int kTileRowOptions[] = {16, 32, 64};
 inline constexpr int kNumTileConfigs = 3;

@@ -347,26 +347,22 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // a ring of Cfg::kFp8Stages stages of their own (Fp8SharedMemoryPlan), each landed tile
 // dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
 // tile, more shared memory (docs/kernel-tuning.md, round 8).
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegsPipe>
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegsPipe, bool kSm80Plan>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
                                                           ? TileConfig<kRows>::kFp8MinCtasPerSm
                                                           : TileConfig<kRows>::kMinCtasPerSm)
     MlaDecodeKernel(const DecodeArgs args) {
   using namespace detail;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && LATENTD_PDL_TRIGGER
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A combine kernel launched after this one as a programmatic dependent may start now:
   // it waits (griddepcontrol.wait) for this grid's completion before reading anything.
-  // Only machine code built from compute_90 PTX holds it (the 64-row tile's SM90 code).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   using Cfg = TileConfig<kRows>;
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
-  // sm_80 machine code (A100-class GPUs) keeps the 64-row tile within 163 KB (traits.h).
-#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900) || LATENTD_FORCE_SM80_PLANS
-  constexpr bool kSm80Code = true;
-#else
-  constexpr bool kSm80Code = false;
-#endif
+  // The A100 plan (kSm80Plan, or every plan in a LATENTD_FORCE_SM80_PLANS build) keeps
+  // the 64-row tile within 163 KB (traits.h).
+  constexpr bool kSm80Code = kSm80Plan || kForceSm80Plans;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
   constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && kFp8AheadOf<kRows, kSm80Code>;
   // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; round 23). Warp w's
@@ -1374,40 +1370,18 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 }
 
 // Host side of one instantiation.
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
-const void* Decoder<kDType, kRows, kKv, kRing, kRegs>::Kernel() {
-  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs>);
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
+const void* Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>);
 }
 
-// The plan's size for the machine code the current device runs: sm_80 machine code
-// (A100-class GPUs) may keep a smaller plan than SM90's (kQRegStepsOf); which image the
-// runtime picked is its binary version, cached per device.
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
-int Decoder<kDType, kRows, kKv, kRing, kRegs>::SmemBytes() {
-  constexpr int kSm90 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, false, kDType>));
-  constexpr int kSm80 = static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, true, kDType>));
-  if constexpr (kSm80 == kSm90) {
-    return kSm90;
-  } else {
-    static std::atomic<int> version[64];  // binary version + 1 per device; 0 unknown
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return kSm90;
-    int v = dev >= 0 && dev < 64 ? version[dev].load(std::memory_order_relaxed) - 1 : -1;
-    if (v < 0) {
-      cudaFuncAttributes attr;
-      if (cudaFuncGetAttributes(&attr, Kernel()) != cudaSuccess) {
-        cudaGetLastError();  // no image for this device: the launch will say so
-        return kSm90;
-      }
-      v = attr.binaryVersion;
-      if (dev >= 0 && dev < 64) version[dev].store(v + 1, std::memory_order_relaxed);
-    }
-    return v < 90 || kForceSm80Plans ? kSm80 : kSm90;
-  }
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
+int Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::SmemBytes() {
+  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, kSm80Plan || kForceSm80Plans, kDType>));
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs>::Prepare() {
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
+cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Prepare() {
   // One bit per device: the attribute is per device and costs a driver call.
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -1415,18 +1389,19 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                            SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
+cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Launch(const DecodeArgs& args, cudaStream_t stream) {
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -22,11 +22,13 @@ struct DecodeArgs {
   unsigned int* counters = nullptr;
 };
 
-// Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline) instantiation:
-// explicit instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv].cu.
+// Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline, plan) instantiation:
+// explicit instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv][_sm80].cu.
 // kRing: the FP8 cache's raw-row ring (DecodePlan::fp8_ring); kRegs: the FP8 cache
-// converted in registers (DecodePlan::fp8_regs, the 16-row tile).
-template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false, bool kRegs = false>
+// converted in registers (DecodePlan::fp8_regs, the 16-row tile); kSm80Plan: the 64-row
+// tile's plan for A100-class GPUs, built as sm_80 machine code only (traits.h).
+template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false, bool kRegs = false,
+          bool kSm80Plan = false>
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();

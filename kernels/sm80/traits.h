@@ -12,7 +12,7 @@
 namespace latentd::kernels::sm80 {
 
 // kQRegSteps: k-steps of each warp's Q slice held in registers instead (Q in shared
-// memory only; the 64-row tile's sm_80 machine code holds 2, kQRegStepsOf below).
+// memory only; the 64-row tile's A100 plan holds 2, kQRegStepsOf below).
 template <int kRows, bool kQInSmem = !TileConfig<kRows>::kQInRegisters, bool kCoop = TileConfig<kRows>::kCoopReduce,
           int kQRegSteps = TileConfig<kRows>::kQRegSteps>
 struct SharedMemoryPlan {
@@ -152,38 +152,38 @@ struct Fp8RegsSharedMemoryPlan<kRows, true> {
   static constexpr bool kPInSlots = false;  // P in its own array, p
 };
 
-// Builds that run the sm_80 machine code's plans on any GPU (tuning and checks of the
-// A100 plans on SM90 parts; round 28). Off by default.
+// Builds whose every instantiation takes the A100 plans (kSm80Plan), so that they run,
+// and are checked, on SM90 parts (round 28). Off by default.
 #ifndef LATENTD_FORCE_SM80_PLANS  // overridable only to build tuning variants
 #define LATENTD_FORCE_SM80_PLANS 0
 #endif
 inline constexpr bool kForceSm80Plans = LATENTD_FORCE_SM80_PLANS;
 
-// Q k-steps per warp in registers of one instantiation's machine code (round 28). The
-// 64-row tile: its sm_80 machine code holds 2, so that its plan fits A100's 163 KB per
-// CTA (162 KB); SM90 machine code, with 227 KB, holds 1 for bf16 (170 KB; 2 spill there)
-// and 2 for fp16 (162 KB) with a 16-bit cache, each the fastest measured on an H100, and
-// none with an FP8 cache (its raw-row ring takes the room). Other tiles: their
-// TileConfig's.
+// Q k-steps per warp in registers of one instantiation (round 28). The 64-row tile: its
+// A100 plan (kSm80Plan: the instantiations built as sm_80 machine code) holds 2, so that
+// it fits A100's 163 KB per CTA (162 KB); its SM90 plan, with 227 KB, holds 1 for bf16
+// (170 KB; 2 spill there) and 2 for fp16 (162 KB) with a 16-bit cache, each the fastest
+// measured on an H100, and none with an FP8 cache (its raw-row ring takes the room).
+// Other tiles: their TileConfig's.
 #ifndef LATENTD_TILE64_SM90_BF16_Q_REG_STEPS  // overridable only to build tuning variants
 #define LATENTD_TILE64_SM90_BF16_Q_REG_STEPS 1
 #define LATENTD_TILE64_SM90_FP16_Q_REG_STEPS 2
 #endif
 inline constexpr int kTile64Sm80QRegSteps = 2;
-template <int kRows, KvDType kKv, bool kSm80Code, DType kDType>
+template <int kRows, KvDType kKv, bool kSm80Plan, DType kDType>
 inline constexpr int kQRegStepsOf =
     kRows != 64                ? TileConfig<kRows>::kQRegSteps
-    : kSm80Code                ? kTile64Sm80QRegSteps
+    : kSm80Plan                ? kTile64Sm80QRegSteps
     : kKv != KvDType::kModel   ? TileConfig<kRows>::kQRegSteps
     : kDType == DType::kBF16   ? LATENTD_TILE64_SM90_BF16_Q_REG_STEPS
                                : LATENTD_TILE64_SM90_FP16_Q_REG_STEPS;
 
 // Whether an FP8 instantiation dequantizes one tile ahead from a raw-row ring of its own
-// (TileConfig::kFp8DequantAhead). Not in the 64-row tile's sm_80 machine code: the ring
-// (41 KB) does not fit A100's 163 KB, so it converts in place, in kTile64Sm80Fp8Passes
+// (TileConfig::kFp8DequantAhead). Not in the 64-row tile's A100 plan: the ring (41 KB)
+// does not fit A100's 163 KB, so it converts in place, in kTile64Sm80Fp8Passes
 // passes of one chunk per thread (fewer passes spill there; round 28).
-template <int kRows, bool kSm80Code>
-inline constexpr bool kFp8AheadOf = TileConfig<kRows>::kFp8DequantAhead && !(kRows == 64 && kSm80Code);
+template <int kRows, bool kSm80Plan>
+inline constexpr bool kFp8AheadOf = TileConfig<kRows>::kFp8DequantAhead && !(kRows == 64 && kSm80Plan);
 inline constexpr int kTile64Sm80Fp8Passes = 5;
 
 // Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
@@ -193,32 +193,32 @@ inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs
 // The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
 // registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
 // which FP8 in place shares.
-// kSm80Code: the plan of the sm_80 machine code (kQRegStepsOf), else SM90's, which may
-// differ by dtype.
-template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Code = false, DType kDType = DType::kBF16>
+// kSm80Plan: the 64-row tile's A100 plan (kQRegStepsOf, kFp8AheadOf), else SM90's, which
+// may differ by dtype.
+template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Plan = false, DType kDType = DType::kBF16>
 using PlanOf = std::conditional_t<
     kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
     std::conditional_t<
         kUsesFp8Regs<kRows, kKv, kRing, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
-        std::conditional_t<kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kSm80Code>,
+        std::conditional_t<kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kSm80Plan>,
                            Fp8AheadSharedMemoryPlan<kRows>,
                            SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
-                                            kQRegStepsOf<kRows, kKv, kSm80Code, kDType>>>>>;
+                                            kQRegStepsOf<kRows, kKv, kSm80Plan, kDType>>>>>;
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
-// tiles, one for the 64-row tile's sm_80 machine code; its SM90 machine code must fit
-// SM90's 227 KB per CTA.
+// tiles, one for the 64-row tile's A100 plan; its SM90 plan must fit SM90's 227 KB per
+// CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
 static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kBF16>) + 1024 <= 164 * 1024 &&
                   sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kFP16>) + 1024 <= 164 * 1024 &&
                   sizeof(PlanOf<64, KvDType::kFp8E4M3, false, false, true, DType::kBF16>) + 1024 <= 164 * 1024,
-              "64-row tile, sm_80 machine code: 1 CTA on A100, 16-bit and FP8 caches");
+              "64-row tile, A100 plan: 1 CTA on A100, 16-bit and FP8 caches");
 static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kBF16>) <= 227 * 1024 &&
                   sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kFP16>) <= 227 * 1024,
-              "64-row tile, SM90 machine code: within SM90's 227 KB per CTA");
+              "64-row tile, SM90 plan: within SM90's 227 KB per CTA");
 static_assert(sizeof(PlanOf<64, KvDType::kFp8E4M3, false, false, false>) <= 227 * 1024,
-              "fp8 64-row tile, SM90 machine code: within SM90's 227 KB per CTA");
+              "fp8 64-row tile, SM90 plan: within SM90's 227 KB per CTA");
 // FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
 // per CTA); one on A100, whose 164 KB hold one (docs/fp8-kv-cache.md).
 static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
