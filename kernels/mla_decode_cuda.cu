@@ -218,14 +218,14 @@ int SmemOf(int device, DType dtype, int tile_rows, KvDType kv_dtype = KvDType::k
 constexpr int64_t kSmallCallRowKeys = int64_t{1} << 21;
 
 // The planner's tile: the 16-row tile for up to 63 rows per KV head and for small
-// calls; otherwise the 64-row tile where it has machine code (SM90; A100 for 16-bit
-// caches), else the 32-row tile. Round 16 measured the 16-row tile 2-12% faster than the 32-row tile on every
-// shape tried on the H200, 32 to 1024 rows per KV head, s_q 2 included. At 32-63 rows
+// calls; otherwise the 64-row tile where it has a plan (SM90 and A100 parts), else the
+// 32-row tile. Round 16 measured the 16-row tile 2-12% faster than the 32-row tile on
+// every shape tried on the H200, 32 to 1024 rows per KV head, s_q 2 included. At 32-63 rows
 // it reads each KV tile twice from L2 where the 32-row tile reads it once; at 64+ rows
 // 4-8 times, which the H200's L2 carried but an A100's smaller L2 bandwidth may not.
-// The 64-row tile reads each KV tile once per 64 rows; its A100 plan, run as SM90 code
-// on an H100, is 1.47x the 32-row tile at (64,128,4096) bf16 (round 28; no A100 was
-// at hand to measure it there).
+// The 64-row tile reads each KV tile once per 64 rows; its A100 plan, run on an H100
+// (LATENTD_FORCE_SM80_PLANS), is 1.47x the 32-row tile at (64,128,4096) bf16, 1.5x with
+// an FP8 cache (round 28; no A100 was at hand to measure it there).
 int ChooseTileRows(const DeviceInfo& dev, const MlaDecodeParams& p, int max_len) {
   const int rows = (p.h_q / p.h_kv) * p.s_q;
   const bool small = int64_t(p.batch) * p.h_kv * rows * max_len <= kSmallCallRowKeys;
