@@ -362,9 +362,9 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
   // The A100 plan (kSm80Plan, or every plan in a LATENTD_FORCE_SM80_PLANS build) keeps
   // the 64-row tile within 163 KB (traits.h).
-  constexpr bool kSm80Code = kSm80Plan || kForceSm80Plans;
+  constexpr bool kA100Plan = kSm80Plan || kForceSm80Plans;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
-  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && kFp8AheadOf<kRows, kSm80Code>;
+  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && kFp8AheadOf<kRows, kA100Plan>;
   // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; round 23). Warp w's
   // QK^T dims are the latent block it owns for PV (128 w .. 128 w + 127) plus rope dims
   // 16 w .. 16 w + 15. A lane's 16-byte load of its key's codes gives four 4-code words;
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
   // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
   constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe>;
-  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kSm80Code, kDType>;
+  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kA100Plan, kDType>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   // Copies in flight + 1.
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   constexpr int kKSteps = kDimsPerWarp / 16;  // 9
   constexpr int kVT = kColsPerWarp / 8;       // 16 n8 output tiles per warp
   // k-steps of each warp's Q slice held in registers (all of them for the 16-row tile).
-  constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kSm80Code, kDType>;  // with Q in shared memory
+  constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kA100Plan, kDType>;  // with Q in shared memory
   constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : kQRegSteps;
   static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
   static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
   // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
   // (config.h), 2 on the 32-row tile (one pass spills there), kTile64Sm80Fp8Passes on
-  // the 64-row tile (its sm_80 machine code; SM90's dequantizes ahead).
+  // the 64-row tile (its A100 plan; the SM90 plan dequantizes ahead).
   constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : kRows == 64 ? kTile64Sm80Fp8Passes : 2;
   // FP8 in place, 16-row tile (kFp8OwnChunks, rounds 20 and 20b): each thread converts
   // exactly the raw chunks it copied, so it reads them as soon as its own copies have
