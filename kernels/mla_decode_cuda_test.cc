@@ -74,9 +74,9 @@ Gpu& TheGpu() {
   return *g;
 }
 
-// Whether this GPU runs the 64-row tile for a cache dtype: SM90 and A100 (SM80, 163 KB
-// per CTA) for both; SM86/SM89 (99 KB) and later GPUs never (kernels/BUILD.bazel).
-bool Runs64(KvDType kv) {
+// Whether this GPU runs the 64-row tile (16-bit and FP8 caches alike): SM90 and A100
+// (SM80, 163 KB per CTA); SM86/SM89 (99 KB) and later GPUs never (kernels/BUILD.bazel).
+bool Runs64() {
   const DeviceInfo& d = TheGpu().dev;
   return d.cc_major == 9 || (d.cc_major == 8 && d.cc_minor == 0);
 }
@@ -248,7 +248,7 @@ TEST(GpuDecode, ComputeTileSweep) {
   std::mt19937_64 rng(17);
   int n = 0, failed = 0;
   std::vector<int> forced = {0, 16, 32};
-  if (Runs64(KvDType::kModel)) forced.push_back(64);
+  if (Runs64()) forced.push_back(64);
   for (int tile : forced)
   for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
   for (bool rising : {false, true})
@@ -258,7 +258,7 @@ TEST(GpuDecode, ComputeTileSweep) {
         for (bool causal : {false, true}) {
           if (hq == 32 && (tile == 0 || s_q > 1)) continue;
           // FP8 on the forced 64-row tile only (the planner's FP8 tiles: Fp8Sweep).
-          if (kv == KvDType::kFp8E4M3 && (tile != 64 || !Runs64(kv))) continue;
+          if (kv == KvDType::kFp8E4M3 && tile != 64) continue;
           g_force_tile = tile;
           ProblemShape s;
           s.dtype = dt;
@@ -287,7 +287,7 @@ TEST(GpuDecode, ComputeTileSweep) {
 // 16-bit and FP8 caches.
 TEST(GpuDecode, Tile64Edges) {
   SKIP_WITHOUT_GPU();
-  if (!Runs64(KvDType::kModel)) GTEST_SKIP() << "no 64-row tile on this GPU";
+  if (!Runs64()) GTEST_SKIP() << "no 64-row tile on this GPU";
   std::mt19937_64 rng(23);
   g_force_tile = 64;
   struct Case {
@@ -299,7 +299,6 @@ TEST(GpuDecode, Tile64Edges) {
   for (const Case& c : cases)
     for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
     for (DType dt : {DType::kBF16, DType::kFP16}) {
-      if (!Runs64(kv)) continue;
       ProblemShape s;
       s.dtype = dt;
       s.kv_dtype = kv;
@@ -628,8 +627,8 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_LE(plan.num_splits * 64, plan.ctas_per_sm * g.dev.sm_count);
   p.h_q = 128;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, Runs64(KvDType::kModel) ? 64 : 32);
-  EXPECT_EQ(plan.row_tiles, Runs64(KvDType::kModel) ? 2 : 4);
+  EXPECT_EQ(plan.tile_rows, Runs64() ? 64 : 32);
+  EXPECT_EQ(plan.row_tiles, Runs64() ? 2 : 4);
   shape.batch = 1;  // small calls (up to 2^21 query-row keys in all): the 16-row tile
   p.batch = 1;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
@@ -640,7 +639,7 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_EQ(plan.tile_rows, 16);
   p.batch = 5;  // 640 rows x 4096 keys: the compute tile where there is one
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, Runs64(KvDType::kModel) ? 64 : 32);
+  EXPECT_EQ(plan.tile_rows, Runs64() ? 64 : 32);
   p.batch = 64;
   p.h_q = 32;  // 32 rows per KV head: two 16-row tiles, never the 32-row tile
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
@@ -669,7 +668,7 @@ TEST(GpuDecode, PlannerAndErrors) {
   int n = 0;
   for (DType dt : {DType::kBF16, DType::kFP16}) {
     ASSERT_TRUE(DescribeTiles(g.dev, dt, tiles, 4, &n).ok());
-    ASSERT_EQ(n, Runs64(KvDType::kModel) ? 3 : 2);
+    ASSERT_EQ(n, Runs64() ? 3 : 2);
     for (int i = 0; i < n; ++i) {
       std::printf("%s tile %d rows: %d regs, %d B smem, %d CTAs/SM here, %d on A100\n", DTypeName(dt),
                   tiles[i].tile_rows, tiles[i].regs_per_thread, tiles[i].smem_bytes, tiles[i].ctas_per_sm,

@@ -118,7 +118,7 @@ struct TileConfig<32> {
 // One CTA per SM: 8 warps, as 2 x 4 before. Shared memory: Q 72 KB + KV 2 x 36 KB +
 // partial slices 32 KB (P in each reducer's own slot) + row maxima and sums 2 KB =
 // 178 KB, less 8 KB per Q k-step each warp holds in registers (traits.h, kQRegStepsOf:
-// 2 in the sm_80 machine code, which so fits A100's 163 KB per CTA; round 28).
+// 2 in the A100 plan, which so fits A100's 163 KB per CTA; round 28).
 #ifndef LATENTD_PING_PONG  // overridable only to build tuning variants
 #define LATENTD_PING_PONG true
 #endif
