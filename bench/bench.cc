@@ -77,6 +77,10 @@ void ForceSplits(DecodePlan* plan, int s_k) {
 int g_fp8_regs = -1;     // --fp8_regs 0|1: force DecodePlan::fp8_regs (-1: the planner's choice)
 bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
 bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
+int g_max_copies = 1024;  // --copies: at most this many copies of the inputs, used in turn
+// --page_order sequential: each sequence's pages in pool order instead of shuffled, to
+// measure what scattered pages cost (address translation, DRAM locality).
+bool g_sequential_pages = false;
 
 constexpr size_t kPoolBytes = size_t(1) << 30;  // KV pool: 1 GiB, ~17x the H200's L2
 
@@ -97,7 +101,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
     std::fprintf(stderr, "config does not fit the KV pool\n");
     std::exit(1);
   }
-  const int copies = static_cast<int>(std::min<int64_t>(1024, pool_pages / pages_per_copy));
+  const int copies = static_cast<int>(std::min<int64_t>(g_max_copies, pool_pages / pages_per_copy));
 
   // Per copy: its own pages (a random permutation of a disjoint pool range) and its own q.
   std::mt19937_64 rng(c.b * 1000003ull + c.h_q * 1009ull + c.s_k);
@@ -105,7 +109,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   for (int k = 0; k < copies; ++k) {
     std::vector<int32_t> pages(pages_per_copy);
     std::iota(pages.begin(), pages.end(), int32_t(k * pages_per_copy));
-    std::shuffle(pages.begin(), pages.end(), rng);
+    if (!g_sequential_pages) std::shuffle(pages.begin(), pages.end(), rng);
     std::copy(pages.begin(), pages.end(), table.begin() + size_t(k) * pages_per_copy);
   }
   int32_t* d_table = nullptr;
@@ -219,6 +223,15 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
     if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
+    if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) g_max_copies = std::max(1, std::atoi(argv[++i]));
+    if (!std::strcmp(argv[i], "--page_order") && i + 1 < argc) {
+      const std::string order = argv[++i];
+      if (order != "sequential" && order != "shuffled") {
+        std::fprintf(stderr, "--page_order: expected sequential or shuffled, got %s\n", order.c_str());
+        return 2;
+      }
+      g_sequential_pages = order == "sequential";
+    }
   }
   if (!kv_filter.empty() && kv_filter != "model" && kv_filter != "fp8_e4m3") {
     std::fprintf(stderr, "--kv_dtype: expected model or fp8_e4m3, got %s\n", kv_filter.c_str());
@@ -313,6 +326,9 @@ int Main(int argc, char** argv) {
               : g_fp8_regs == 0    ? "; fp8 rows: dequantized in place"
                                    : "; fp8 rows: the planner's pipeline (16-row tile: in registers from 16 tiles per split)");
   if (g_fused) std::printf("2-4 partition plans: merged in the decode kernel (--fused_combine)\n\n");
+  if (g_sequential_pages || g_max_copies < 1024)
+    std::printf("pages of a sequence: %s; at most %d copies of the inputs\n\n",
+                g_sequential_pages ? "in pool order (--page_order sequential)" : "shuffled", g_max_copies);
   std::printf(
       "| dtype | kv | b | h_q | s_q | s_k | tile | splits | CTAs/SM (A100) | whole ms | whole GB/s | %% ceil | whole "
       "TFLOP/s | kernel ms | kernel GB/s | %% ceil | kernel TFLOP/s |\n");
