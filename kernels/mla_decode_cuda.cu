@@ -406,7 +406,6 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
       r.keys_per_split >= sm80::kFp8RegsMinTiles * sm80::TileConfig<16>::kKeys) {
     r.fp8_regs = true;
     r.smem_bytes = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::SmemBytes();
-    r.threads = Decoder<DType::kBF16, 16, KvDType::kFp8E4M3, false, true>::Threads();
   }
   *plan = r;
   return Status::Ok();

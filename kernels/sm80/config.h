@@ -56,11 +56,6 @@ struct TileConfig;
 #define LATENTD_FP8_REGS_MIN_TILES 16
 #endif
 inline constexpr int kFp8RegsMinTiles = LATENTD_FP8_REGS_MIN_TILES;
-// FP8 cache, register pipeline: 8 warps of 64 latent dims each instead of 4 of 128
-// (kernels/sm80/fp8_wide.cuh; docs/kernel-tuning.md, round 29).
-#ifndef LATENTD_FP8_WIDE  // overridable only to build tuning variants
-#define LATENTD_FP8_WIDE false
-#endif
 #ifndef LATENTD_FP8_REG_STAGES  // overridable only to build tuning variants
 #define LATENTD_FP8_REG_STAGES 3
 #endif
@@ -81,7 +76,6 @@ struct TileConfig<16> {
   static constexpr int kFp8Stages = 3;  // FP8 cache: raw-row ring depth (traits.h)
   static constexpr bool kFp8Regs = LATENTD_FP8_REGS;          // FP8: conversion in registers
   static constexpr int kFp8RegStages = LATENTD_FP8_REG_STAGES;  // ... and its raw stages
-  static constexpr bool kFp8Wide = LATENTD_FP8_WIDE;  // ... by 8 warps of half a scale block each (fp8_wide.cuh)
   // FP8 cache: dequantize tile t+1 inside tile t's PV loop from a raw-row ring of its
   // own, instead of in place between a tile's arrival and its mma loops (64-row tile
   // only: here the second 16-bit stage plus the ring would leave 1 CTA per SM).

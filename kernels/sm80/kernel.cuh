@@ -210,13 +210,13 @@ __device__ __forceinline__ int SwizzleRow(int row, int chunk) {
 // memory. Thread t owns output columns 4t .. 4t+3 of every row (a warp reads 512
 // contiguous bytes of a partial row), and each pass keeps kR rows x kN partitions of
 // 16-byte loads in flight (16 per thread, 32 KB per CTA) so the CTA's L2 reads overlap.
-// With more than 128 threads (kCta), each 128 takes every other group of kR rows.
-template <DType kDType, int kRows, int kN, int kR, int kCta = kCtaThreads<kRows>>
+// With more than 128 threads, each 128 takes every other group of kR rows.
+template <DType kDType, int kRows, int kN, int kR>
 __device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
                                             int64_t prow0, const float* w) {
   static_assert(kR * kN <= 16, "loads in flight per thread: more raise the kernel's register count");
   static_assert(kThreads * 4 == kHeadDimV, "one float4 of columns per thread of 128");
-  constexpr int kPhases = kCta / kThreads;
+  constexpr int kPhases = kCtaThreads<kRows> / kThreads;
   const MlaDecodeParams& p = args.p;
   const int tid = threadIdx.x % kThreads, phase = threadIdx.x / kThreads;
   const int group = p.h_q / p.h_kv, rows_total = p.h_q * p.s_q;
@@ -255,7 +255,7 @@ __device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int k
 // The whole fused combine of one stream: per row the merged LSE and the partitions'
 // weights exp(lse_i - lse) (into shared memory w), then the weighted sum of the outputs.
 // lse = log(sum_i exp(lse_i)); partitions whose rows saw no keys (lse_i = -inf) weigh 0.
-template <DType kDType, int kRows, int kCta = kCtaThreads<kRows>>
+template <DType kDType, int kRows>
 __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
                                             float* w) {
   // Fused plans have at most kMaxFusedSplits partitions (FusesCombine).
@@ -266,7 +266,7 @@ __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int k
   const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
   // Partial row of (partition 0, tile row 0); partition i is i * rows_total further.
   const int64_t prow0 = int64_t(b) * args.num_splits * rows_total + int64_t(kvh) * rows_kv + row0;
-  for (int r = tid; r < nrows; r += kCta) {
+  for (int r = tid; r < nrows; r += kCtaThreads<kRows>) {
     float lp[kMaxN];
     float m = -INFINITY;
 #pragma unroll
@@ -290,11 +290,11 @@ __device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int k
   __syncthreads();
   if constexpr (kMaxN > 4) {
     if (n > 4) {
-      CombineRows<kDType, kRows, kMaxN, 16 / kMaxN, kCta>(args, b, kvh, row0, nrows, n, prow0, w);
+      CombineRows<kDType, kRows, kMaxN, 16 / kMaxN>(args, b, kvh, row0, nrows, n, prow0, w);
       return;
     }
   }
-  CombineRows<kDType, kRows, 4, 4, kCta>(args, b, kvh, row0, nrows, n, prow0, w);
+  CombineRows<kDType, kRows, 4, 4>(args, b, kvh, row0, nrows, n, prow0, w);
 }
 
 // After a partition CTA has written its partials: the last CTA of the stream to arrive
@@ -1369,39 +1369,15 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
 }
 
-}  // namespace latentd::kernels::sm80
-
-#include "kernels/sm80/fp8_wide.cuh"
-
-namespace latentd::kernels::sm80 {
-
 // Host side of one instantiation.
-// The 16-row FP8 register pipeline runs as the 8-warp kernel (fp8_wide.cuh) where
-// TileConfig<16>::kFp8Wide says so.
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs>
-inline constexpr bool kWideOf = kRows == 16 && kKv == KvDType::kFp8E4M3 && kRegs && !kRing && TileConfig<16>::kFp8Wide;
-
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
 const void* Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Kernel() {
-  if constexpr (kWideOf<kDType, kRows, kKv, kRing, kRegs>) {
-    return reinterpret_cast<const void*>(&MlaDecodeFp8WideKernel<kDType>);
-  } else {
-    return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>);
-  }
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>);
 }
 
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
 int Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::SmemBytes() {
-  if constexpr (kWideOf<kDType, kRows, kKv, kRing, kRegs>) {
-    return static_cast<int>(sizeof(Fp8WideSharedMemoryPlan));
-  } else {
-    return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, kSm80Plan || kForceSm80Plans, kDType>));
-  }
-}
-
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
-int Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Threads() {
-  return kWideOf<kDType, kRows, kKv, kRing, kRegs> ? kWideThreads : kCtaThreads<kRows>;
+  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, kSm80Plan || kForceSm80Plans, kDType>));
 }
 
 template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
@@ -1413,7 +1389,9 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(Kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, SmemBytes());
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
@@ -1423,11 +1401,7 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Launch(const D
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  if constexpr (kWideOf<kDType, kRows, kKv, kRing, kRegs>) {
-    MlaDecodeFp8WideKernel<kDType><<<grid, kWideThreads, SmemBytes(), stream>>>(args);
-  } else {
-    MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
-  }
+  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -32,7 +32,6 @@ template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = f
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();
-  static int Threads();  // per CTA
   // Raises the kernel's dynamic shared-memory limit on the current device (once per device).
   static cudaError_t Prepare();
   static cudaError_t Launch(const DecodeArgs& args, cudaStream_t stream);
