@@ -287,20 +287,41 @@ static_assert(kSplitGranularity % sm80::TileConfig<16>::kKeys == 0 &&
 // rounds 2 and 5).
 constexpr int64_t kSmallCallKeys = 8192;
 
+// A 16-bit cache's partitions shorter than this are merged pairwise when the device
+// holds 2+ CTAs per SM (round 32, below).
+constexpr int kHalfWaveMaxKeys = 512;
+
 // Partitions per sequence: fill the device's resident CTA slots once, never more than
 // one wave, and never below kMinKeysPerSplit keys each (fewer for small calls).
-void ChooseSplits(int slots, int streams, int max_len, int* num_splits, int* keys_per_split) {
-  const int target = std::max(1, slots / std::max(1, streams));
+// half_wave: a 16-bit cache on a tile with 2+ CTAs per SM. There, where filling the
+// slots makes partitions under kHalfWaveMaxKeys, filling half of them is faster: the
+// decode kernel takes the same time with one CTA per SM on twice the keys (short
+// partitions are latency-bound, not bandwidth-bound), and the combine merges half the
+// partials (docs/kernel-tuning.md, round 32: 4-8% on (1,16,65536), (16,16,4096) and
+// (64,16,1024); the FP8 cache and longer partitions lose, so they keep the full wave).
+void ChooseSplits(int slots, int streams, int max_len, bool half_wave, int* num_splits, int* keys_per_split) {
   // Small calls: one-page partitions; 32-key ones only while that makes at most 8
   // partitions, since each partition adds combine work (both measured in round 5).
   const bool small = int64_t(streams) * max_len <= kSmallCallKeys;
   const int min_keys = !small ? kMinKeysPerSplit : max_len <= 8 * kSplitGranularity ? kSplitGranularity : kPageSize;
   const int by_len = std::max(1, (max_len + min_keys - 1) / min_keys);
-  int splits = std::min(target, by_len);
-  int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kSplitGranularity);
-  splits = std::max(1, (max_len + kps - 1) / kps);
-  *num_splits = splits;
-  *keys_per_split = kps;
+  auto fill = [&](int fill_slots, int* splits_out, int* kps_out) {
+    const int target = std::max(1, fill_slots / std::max(1, streams));
+    int splits = std::min(target, by_len);
+    const int kps = RoundUp(std::max(1, (max_len + splits - 1) / splits), kSplitGranularity);
+    splits = std::max(1, (max_len + kps - 1) / kps);
+    *splits_out = splits;
+    *kps_out = kps;
+  };
+  fill(slots, num_splits, keys_per_split);
+  if (half_wave && !small) {
+    int splits = 0, kps = 0;
+    fill(slots / 2, &splits, &kps);
+    if (splits < *num_splits && kps <= kHalfWaveMaxKeys) {
+      *num_splits = splits;
+      *keys_per_split = kps;
+    }
+  }
 }
 
 size_t PartialFloats(const MlaDecodeParams& p, int num_splits) {
@@ -399,7 +420,8 @@ Status PlanDecode(const DeviceInfo& dev, const MlaDecodeParams& p, const int32_t
   s = Occupancy(dev.device, p.dtype, r.tile_rows, &r.ctas_per_sm);
   if (!s.ok()) return s;
   const int streams = p.batch * p.h_kv * r.row_tiles;
-  ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len, &r.num_splits, &r.keys_per_split);
+  ChooseSplits(r.ctas_per_sm * dev.sm_count, streams, max_len,
+               p.kv_dtype == KvDType::kModel && r.ctas_per_sm >= 2, &r.num_splits, &r.keys_per_split);
   // Both FP8 pipelines of the 16-row tile fit as many CTAs per SM (ptxas: 238-247
   // registers; 80 and 71 KB), so the occupancy above holds for either.
   if (p.kv_dtype == KvDType::kFp8E4M3 && r.tile_rows == 16 && sm80::TileConfig<16>::kFp8Regs &&
