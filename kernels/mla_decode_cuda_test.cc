@@ -651,6 +651,37 @@ TEST(GpuDecode, PlannerAndErrors) {
   EXPECT_EQ(plan.row_tiles, 4);
   EXPECT_EQ(PlanDecode(g.dev, p, pr.seqlens.data(), &plan, 48).code, Code::kInvalidArgument);
 
+  // One long sequence (planning only: nothing is launched). Where the full wave would cut
+  // a 16-bit cache into partitions under 512 keys on a tile with 2+ CTAs per SM, the
+  // planner fills half the slots with partitions of at most 512 keys; an FP8 cache keeps
+  // the full wave (docs/kernel-tuning.md, round 32).
+  {
+    MlaDecodeParams one = pr.Params();
+    one.batch = 1;
+    one.max_pages_per_seq = 65536 / 64;
+    const int32_t len[1] = {65536};
+    DecodePlan plan16, plan8;
+    SetContiguousStrides(&one);
+    ASSERT_TRUE(PlanDecode(g.dev, one, len, &plan16).ok());
+    one.kv_dtype = KvDType::kFp8E4M3;
+    SetContiguousStrides(&one);
+    ASSERT_TRUE(PlanDecode(g.dev, one, len, &plan8).ok());
+    EXPECT_EQ(plan16.tile_rows, 16);
+    EXPECT_EQ(plan8.tile_rows, 16);
+    EXPECT_EQ(plan8.ctas_per_sm, plan16.ctas_per_sm);  // the 16-bit tile's occupancy, for both
+    const int slots = plan16.ctas_per_sm * g.dev.sm_count;
+    EXPECT_LE(plan8.num_splits, slots);
+    if (plan16.ctas_per_sm >= 2 && plan8.keys_per_split < 512 && (65536 + slots / 2 - 1) / (slots / 2) <= 512) {
+      EXPECT_LT(plan16.num_splits, plan8.num_splits);
+      EXPECT_LE(plan16.keys_per_split, 512);
+      EXPECT_LE(plan16.num_splits, slots / 2);
+    } else {
+      EXPECT_EQ(plan16.num_splits, plan8.num_splits);
+    }
+    std::printf("one 65536-key sequence: 16-bit cache %d x %d, fp8 cache %d x %d (%d CTA slots)\n",
+                plan16.num_splits, plan16.keys_per_split, plan8.num_splits, plan8.keys_per_split, slots);
+  }
+
   // Errors come back as Status.
   MlaDecodeParams bad = pr.Params();
   bad.h_q = 24;
