@@ -287,18 +287,18 @@ static_assert(kSplitGranularity % sm80::TileConfig<16>::kKeys == 0 &&
 // rounds 2 and 5).
 constexpr int64_t kSmallCallKeys = 8192;
 
-// A 16-bit cache's partitions shorter than this are merged pairwise when the device
-// holds 2+ CTAs per SM (round 32, below).
+// The longest partitions the half-wave plan may take (ChooseSplits, round 32).
 constexpr int kHalfWaveMaxKeys = 512;
 
 // Partitions per sequence: fill the device's resident CTA slots once, never more than
 // one wave, and never below kMinKeysPerSplit keys each (fewer for small calls).
-// half_wave: a 16-bit cache on a tile with 2+ CTAs per SM. There, where filling the
-// slots makes partitions under kHalfWaveMaxKeys, filling half of them is faster: the
-// decode kernel takes the same time with one CTA per SM on twice the keys (short
-// partitions are latency-bound, not bandwidth-bound), and the combine merges half the
-// partials (docs/kernel-tuning.md, round 32: 4-8% on (1,16,65536), (16,16,4096) and
-// (64,16,1024); the FP8 cache and longer partitions lose, so they keep the full wave).
+// half_wave: a 16-bit cache on a tile with 2+ CTAs per SM. There, where filling half
+// the slots still gives partitions of at most kHalfWaveMaxKeys, and fewer of them, the
+// half-wave plan is faster: the decode kernel takes the same time with one CTA per SM on
+// twice the keys (short partitions are latency-bound, not bandwidth-bound), and the
+// combine merges half the partials (docs/kernel-tuning.md, round 32: 5-7% on
+// (1,16,65536) and (16,16,4096), 1-3% on (64,16,1024); FP8 caches and longer partitions
+// lose, so they keep the full wave).
 void ChooseSplits(int slots, int streams, int max_len, bool half_wave, int* num_splits, int* keys_per_split) {
   // Small calls: one-page partitions; 32-key ones only while that makes at most 8
   // partitions, since each partition adds combine work (both measured in round 5).
