@@ -16,30 +16,10 @@ inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kDimsPerWarp = kHeadDimQK / kWarps;  // 144
 inline constexpr int kColsPerWarp = kHeadDimV / kWarps;   // 128
-// Which 144 dims: QK^T's 36 k-steps of 16 dims go to the warps interleaved, warp w taking
-// k-steps w, w + 4, ..., w + 32. Its k-steps then lie 128 bytes apart in every swizzled
-// row with the same XOR term, so each ldmatrix address of the QK loop is one base
-// register plus a constant (round 33); false: dims 144 w .. 144 w + 143.
-#ifndef LATENTD_QK_INTERLEAVE  // overridable only to build tuning variants
-#define LATENTD_QK_INTERLEAVE false
-#endif
-inline constexpr bool kQkInterleave = LATENTD_QK_INTERLEAVE;
-// 16-bit KV copies with 4 loader threads per key (the 16-row tile, and the 64-row tile's
-// ping-pong, whose group 1 copies alone): each thread copies one row's chunks c + 4 j,
-// one source address for its 18 copies, instead of two rows' c + 8 j (round 33).
-#ifndef LATENTD_COPY_ONE_KEY  // overridable only to build tuning variants
-#define LATENTD_COPY_ONE_KEY false
-#endif
-inline constexpr bool kCopyOneKey = LATENTD_COPY_ONE_KEY;
-// Cooperative reduction: a warp issues its loads of the other three warps' partials
-// before adding any (round 33); false: one source at a time, in source order.
-#ifndef LATENTD_REDUCE_LOADS_FIRST  // overridable only to build tuning variants
-#define LATENTD_REDUCE_LOADS_FIRST false
-#endif
-inline constexpr bool kReduceLoadsFirst = LATENTD_REDUCE_LOADS_FIRST;
 // Diagnostic builds only: the 64-row tile's first CTA records the SM clock at 8 points
-// of 4 tiles per warp and prints them after its loop (round 33's phase trace).
-#ifndef LATENTD_PHASE_TRACE
+// of 4 tiles per warp, and every 64-row CTA the global timer at entry, loop start, loop
+// end and epilogue end; both are printed (docs/kernel-tuning.md, round 33c).
+#ifndef LATENTD_PHASE_TRACE  // overridable only to build diagnostic variants
 #define LATENTD_PHASE_TRACE 0
 #endif
 

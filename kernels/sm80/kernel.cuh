@@ -205,11 +205,6 @@ __device__ __forceinline__ int SwizzleRow(int row, int chunk) {
   return row * kChunks * 8 + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
 }
 
-// First dim of the ks-th of warp `warp`'s 9 QK^T k-steps (config.h, kQkInterleave).
-__device__ __forceinline__ int QkDim(int warp, int ks) {
-  return kQkInterleave ? (ks * kWarps + warp) * 16 : warp * kDimsPerWarp + ks * 16;
-}
-
 // Fused split-K combine, run by the last CTA of a stream to finish: out = sum_i w_i o_i
 // over the stream's n partitions for rows [row0, row0 + nrows), with w[i][r] in shared
 // memory. Thread t owns output columns 4t .. 4t+3 of every row (a warp reads 512
@@ -335,8 +330,8 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 }  // namespace detail
 
 // Warps come in groups of 4 (Cfg::kGroups of them): a group owns kRows / kGroups rows
-// of the tile, and its warp gw takes 144 dims of QK^T (QkDim: k-steps gw, gw + 4, ...)
-// and output columns 128 gw .. 128 gw + 127 of PV. The groups share the KV stages.
+// of the tile, and its warp gw takes dims 144 gw .. 144 gw + 143 of QK^T and output
+// columns 128 gw .. 128 gw + 127 of PV. The groups share the KV stages.
 //
 // With an FP8 cache (kKv == kFp8E4M3) the same stages first receive a tile's raw rows
 // (656 bytes each, packed at the stage's end); after the copy lands, the CTA dequantizes
@@ -458,6 +453,16 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   const int n_valid = (seqlen + kps - 1) / kps;
   if (split > 0 && split >= n_valid) return;  // nothing here; combine ignores it
   const bool direct = n_valid <= 1;            // the only partition writes out/lse itself
+#if LATENTD_PHASE_TRACE
+  // Per CTA (64-row tile): global time at entry, loop start, loop end and epilogue end.
+  __shared__ unsigned long long cta_time[4];
+  auto stamp = [&](int i) {
+    if (kRows == 64 && tid == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cta_time[i])::"memory");
+  };
+#else
+  auto stamp = [](int) {};
+#endif
+  stamp(0);
 
   const int group = p.h_q / p.h_kv;
   const int rows_kv = group * p.s_q;  // rows sharing this KV head
@@ -553,22 +558,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       static_assert(kN % kKeysPerPass == 0, "whole passes of rows");
       const int ltid = tid % kLoaders;
       const uint32_t dst0 = SmemAddr(&sm.kv[s][0][0]);
-      if constexpr (kCopyOneKey && kLoaders == 4 * kN) {
-        // 4 threads per row, each its chunks c + 4 j (j = 0..17), so a tile is one pass
-        // and a thread's 18 copies share one source address: chunk c + 4 j sits 64 j
-        // bytes into the row, and its swizzled place alternates between two 8-chunk
-        // positions, (c ^ key) and (c ^ key ^ 4), 128 bytes further every other j.
-        const int key = ltid >> 2, c = ltid & 3;
-        const bool valid = key0 + key < cta_end;
-        const uint16_t* src = valid ? kv + int64_t(page) * p.kv_page_stride + kv_head_off +
-                                          int64_t(page_key0 + key) * p.kv_row_stride + c * 8
-                                    : kv;
-        const uint32_t row = dst0 + key * kHeadDimQK * 2;
-        const uint32_t d0 = row + (((c ^ key) & 7) << 4), d1 = row + (((c ^ key ^ 4) & 7) << 4);
-#pragma unroll
-        for (int j = 0; j < kHeadDimQK / 32; ++j) CpAsync16((j & 1 ? d1 : d0) + (j >> 1) * 128, src + j * 32, valid);
-        return;
-      }
       const int c = ltid & 7;
 #pragma unroll
       for (int pass = 0; pass < kN / kKeysPerPass; ++pass) {
@@ -611,8 +600,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 
   // Q: registers (16-row tile: all of it; 64-row tile: each warp's first kQRegSteps
   // k-steps, loaded below) and shared memory (the rest, copied here). In shared memory
-  // a row holds the k-steps not in registers: interleaved (kQkInterleave), Q's dims from
-  // kQRegSteps x 64 on in order; otherwise warp slice after warp slice.
+  // a row holds, warp slice after warp slice, the k-steps not in registers.
   uint32_t qf[kRegSteps > 0 ? kRegSteps : 1][kMT][4];
   if constexpr (!Cfg::kQInRegisters) {
     constexpr int kQC = Plan::kQChunks, kSliceChunks = kQC / kWarps;
@@ -620,8 +608,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
     for (int id = tid; id < kRows * kQC; id += kCta) {
       const int r = id / kQC, chunk = id % kQC;
       const int w = chunk / kSliceChunks, c = chunk % kSliceChunks;
-      const int dim = kQkInterleave ? kQRegSteps * kWarps * 16 + chunk * 8
-                                    : w * kDimsPerWarp + (kQRegSteps + c / 2) * 16 + (c & 1) * 8;
+      const int dim = w * kDimsPerWarp + (kQRegSteps + c / 2) * 16 + (c & 1) * 8;
       const bool valid = row0 + r < rows_kv;
       const uint16_t* src = valid ? q_row_ptr(r) + dim : static_cast<const uint16_t*>(p.q);
       CpAsync16(dst0 + SwizzleRow<kQC>(r, chunk) * 2, src, valid);
@@ -710,7 +697,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       } else {
 #pragma unroll
         for (int ks = 0; ks < kRegSteps; ++ks) {
-          const int d = QkDim(warp, ks) + c;
+          const int d = warp * kDimsPerWarp + ks * 16 + c;
           qf[ks][mt][0] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d) : 0u;
           qf[ks][mt][1] = v1 ? *reinterpret_cast<const uint32_t*>(q1 + d) : 0u;
           qf[ks][mt][2] = v0 ? *reinterpret_cast<const uint32_t*>(q0 + d + 8) : 0u;
@@ -818,6 +805,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   auto mark = [](int, int) {};
 #endif
   uint4 own_raw[kOwn ? kOwnItems : 1], own_scales;  // kOwn: this thread's raw chunks of the tile
+  stamp(1);
   for (int t = 0; t < num_tiles; ++t) {
     mark(t, 0);
     if constexpr (kPingPong) {
@@ -992,7 +980,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
     }
 #pragma unroll
     for (int ks = 0; ks < (kRegs ? 0 : kKSteps); ++ks) {
-      const int chunk0 = QkDim(warp, ks) / 8;
+      const int chunk0 = (warp * kDimsPerWarp + ks * 16) / 8;
       uint32_t a[kMT][4];
       if (ks < kRegSteps) {  // unrolled: decided at compile time
 #pragma unroll
@@ -1001,31 +989,19 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           for (int e = 0; e < 4; ++e) a[mt][e] = qf[ks < kRegSteps ? ks : 0][mt][e];
       } else if constexpr (!Cfg::kQInRegisters) {
         constexpr int kQC = Plan::kQChunks;
+        const int qchunk0 = (warp * (kKSteps - kQRegSteps) + ks - kQRegSteps) * 2;
         const uint32_t q_base = SmemAddr(&sm.q[0][0]);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           const int r = grow0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          if constexpr (kQkInterleave) {
-            // Chunk 8 (ks - kQRegSteps) + 2 warp + lane / 16: the XOR term does not depend
-            // on ks (2 warp + 1 < 8), so ks moves the address by a constant.
-            const int low = 2 * warp + (lane >> 4);
-            Ldmatrix4(a[mt], q_base + (r * kQC * 8 + (ks - kQRegSteps) * 64 + (((low ^ r) & 7) << 3)) * 2);
-          } else {
-            const int qchunk0 = (warp * (kKSteps - kQRegSteps) + ks - kQRegSteps) * 2;
-            Ldmatrix4(a[mt], q_base + SwizzleRow<kQC>(r, qchunk0 + (lane >> 4)) * 2);
-          }
+          Ldmatrix4(a[mt], q_base + SwizzleRow<kQC>(r, qchunk0 + (lane >> 4)) * 2);
         }
       }
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
         uint32_t kb[4];
         const int key = np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
-        if constexpr (kQkInterleave) {
-          const int low = 2 * warp + ((lane >> 3) & 1);  // as for Q: chunk 8 ks + low
-          Ldmatrix4(kb, kv_base + (key * kHeadDimQK + ks * 64 + (((low ^ key) & 7) << 3)) * 2);
-        } else {
-          Ldmatrix4(kb, kv_base + Swizzle(key, chunk0 + ((lane >> 3) & 1)) * 2);
-        }
+        Ldmatrix4(kb, kv_base + Swizzle(key, chunk0 + ((lane >> 3) & 1)) * 2);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           Mma<kDType>(s[mt][2 * np], a[mt], kb[0], kb[1]);
@@ -1065,41 +1041,17 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         for (int e = 0; e < 4; ++e)
           x[mt][e] = warp == 0 ? s[mt][0][e] : warp == 1 ? s[mt][1][e] : warp == 2 ? s[mt][2][e] : s[mt][3][e];
       GroupSync(bar);
-      if constexpr (kReduceLoadsFirst) {
-        // The other warps' partials in the order warp + 1, warp + 2, warp + 3 (mod 4), all
-        // loads issued before the first add: one shared-memory round trip, not three
-        // behind three branches (round 33).
-        float4 u[kWarps - 1][kMT];
 #pragma unroll
-        for (int i = 0; i < kWarps - 1; ++i) {
-          const int src = (warp + 1 + i) & (kWarps - 1);
+      for (int src = 0; src < kWarps; ++src) {
+        if (src == warp) continue;
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt)
-            u[i][mt] =
-                *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][kPacked ? src - (src > warp) : src][mt][lane][0]);
-        }
-#pragma unroll
-        for (int i = 0; i < kWarps - 1; ++i)
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            x[mt][0] += u[i][mt].x;
-            x[mt][1] += u[i][mt].y;
-            x[mt][2] += u[i][mt].z;
-            x[mt][3] += u[i][mt].w;
-          }
-      } else {
-#pragma unroll
-        for (int src = 0; src < kWarps; ++src) {
-          if (src == warp) continue;
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            const float4 u =
-                *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][kPacked ? src - (src > warp) : src][mt][lane][0]);
-            x[mt][0] += u.x;
-            x[mt][1] += u.y;
-            x[mt][2] += u.z;
-            x[mt][3] += u.w;
-          }
+        for (int mt = 0; mt < kMT; ++mt) {
+          const float4 u =
+              *reinterpret_cast<const float4*>(&sm.s_part[grp][warp][kPacked ? src - (src > warp) : src][mt][lane][0]);
+          x[mt][0] += u.x;
+          x[mt][1] += u.y;
+          x[mt][2] += u.z;
+          x[mt][3] += u.w;
         }
       }
       mark(t, 4);
@@ -1354,6 +1306,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       }
     }
   }
+  stamp(2);
 #if LATENTD_PHASE_TRACE
   if (tracing && lane == 0)
     for (int i = 0; i < kTraceTiles; ++i) {
@@ -1452,6 +1405,15 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       }
     }
 
+  stamp(3);
+#if LATENTD_PHASE_TRACE
+  if (kRows == 64 && tid == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    printf("cta %d %d %d %d %u %llu %llu %llu %llu\n", int(kDType), blockIdx.x, blockIdx.y, blockIdx.z, smid,
+           cta_time[0], cta_time[1], cta_time[2], cta_time[3]);
+  }
+#endif
   if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
 }
 
