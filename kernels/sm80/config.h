@@ -16,11 +16,6 @@ inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kDimsPerWarp = kHeadDimQK / kWarps;  // 144
 inline constexpr int kColsPerWarp = kHeadDimV / kWarps;   // 128
-// Variant: the FP8 register pipeline converts with cvt.rn.f16x2.e4m3x2 for fp16 models
-// where the machine code is sm_89+ (round 35; a compute_90 build only).
-#ifndef LATENTD_FP8_HW_CVT  // overridable only to build tuning variants
-#define LATENTD_FP8_HW_CVT false
-#endif
 // Diagnostic builds only: the 16- and 64-row tiles' first CTA records the SM clock at 8 points
 // of 4 tiles per warp, and every 64-row CTA the global timer at entry, loop start, loop
 // end and epilogue end; both are printed (docs/kernel-tuning.md, round 33c).

@@ -170,23 +170,6 @@ __device__ __forceinline__ uint32_t Fma2NegZero(uint32_t a, uint32_t b) {
   }
   return r;
 }
-// Variant (LATENTD_FP8_HW_CVT, fp16 models on sm_89+ machine code): codes b0..b3 of a
-// word to f16 pairs (b0, b2) and (b1, b3) by the hardware conversion, exact, then scaled.
-__device__ __forceinline__ void E4m3QuadToF16(uint32_t w, uint32_t scale_pair, uint32_t& k02, uint32_t& k13) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const uint32_t p = __byte_perm(w, 0u, 0x3120);  // b0 b2 | b1 b3
-  uint32_t a, c;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-      : "=r"(a), "=r"(c)
-      : "r"(p));
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(k02) : "r"(a), "r"(scale_pair));
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(k13) : "r"(c), "r"(scale_pair));
-#else
-  (void)w;
-  (void)scale_pair;
-  k02 = k13 = 0u;
-#endif
-}
 // The transpose of an 8x8 matrix of 16-bit values held in mma fragment order (lane l:
 // row l / 4, columns 2 (l % 4) and +1), in the same order.
 __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
@@ -950,22 +933,12 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       // The raw words of all four blocks are read first; each half H accumulates into
       // its own partial scores (s, s_hi: mma chains of 4, not 8, summed once per tile;
       // round 25: -1.4% for bf16 on (64,16,4096), fp16 unchanged).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-      constexpr bool kHwCvt = LATENTD_FP8_HW_CVT && kDType == DType::kFP16;
-#else
-      constexpr bool kHwCvt = false;
-#endif
       uint32_t sp[kNT];
       uint4 raw[kNT][2];
 #pragma unroll
       for (int i = 0; i < kNT; ++i) {
         const int key = 8 * i + (lane >> 2);
-        if constexpr (kHwCvt) {
-          const __half2 h = __float2half2_rn(sm.scales[stage][key][warp]);
-          sp[i] = *reinterpret_cast<const uint32_t*>(&h);
-        } else {
-          sp[i] = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
-        }
+        sp[i] = Fp8ScalePair<kDType>(__float_as_uint(sm.scales[stage][key][warp]));
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int q = warp * 8 + hh * 4 + (lane & 3);
@@ -984,13 +957,8 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           const uint32_t wd[4] = {raw[i][hh].x, raw[i][hh].y, raw[i][hh].z, raw[i][hh].w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            uint32_t k02, k13;
-            if constexpr (kHwCvt) {
-              E4m3QuadToF16(wd[j], sp[i], k02, k13);
-            } else {
-              k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp[i]);
-              k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp[i]);
-            }
+            const uint32_t k02 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j] << 8), sp[i]);
+            const uint32_t k13 = Fma2NegZero<kDType>(E4m3PairBits<kDType>(wd[j]), sp[i]);
             Mma<kDType>(hh == 0 ? s[0][i] : s_hi[i], qf[kRegs ? hh * 4 + j : 0][0], k02, k13);
             vfr[kRegs ? i : 0][hh][j][0] = MovTrans(k02);
             vfr[kRegs ? i : 0][hh][j][1] = MovTrans(k13);
