@@ -16,6 +16,13 @@ inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kDimsPerWarp = kHeadDimQK / kWarps;  // 144
 inline constexpr int kColsPerWarp = kHeadDimV / kWarps;   // 128
+// bf16: P for the PV mma as a high and a low bf16 part (16 significant bits), as the
+// accuracy contract needs; false builds a variant with P rounded once to bf16, as
+// FlashMLA and FlashInfer round it, to measure what the split costs (round 36).
+#ifndef LATENTD_BF16_P_SPLIT  // overridable only to build tuning variants
+#define LATENTD_BF16_P_SPLIT true
+#endif
+inline constexpr bool kBf16PSplit = LATENTD_BF16_P_SPLIT;
 // Diagnostic builds only: the 16- and 64-row tiles' first CTA records the SM clock at 8 points
 // of 4 tiles per warp, and every 64-row CTA the global timer at entry, loop start, loop
 // end and epilogue end; both are printed (docs/kernel-tuning.md, round 33c).

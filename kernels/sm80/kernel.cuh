@@ -737,7 +737,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
   // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a low
   // bf16 part and multiplied twice (fp16's 11 bits need no split).
-  constexpr bool kSplitP = kDType == DType::kBF16;
+  constexpr bool kSplitP = kDType == DType::kBF16 && kBf16PSplit;
   // O[:, my 128 columns] += P[:, keys 16 kk .. 16 kk + 15] V[those keys, my columns],
   // P as A fragments (pa, and pl its low part for bf16).
   // Converted in registers (kRegs): the tile's V fragments, [8-key block][half of the
