@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/batch.h"
-#include "engine/engine.h"
+#include "engine/types.h"
 #include "engine/kv/manager.h"
 
 namespace latentd::engine {

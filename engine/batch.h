@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "engine/engine.h"
+#include "engine/types.h"
 #include "engine/kv/manager.h"
 
 namespace latentd::engine {

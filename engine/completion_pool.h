@@ -17,7 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/engine.h"
+#include "engine/types.h"
 
 namespace latentd::engine {
 

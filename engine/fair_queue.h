@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
-#include "engine/engine.h"
+#include "engine/types.h"
 
 namespace latentd::engine {
 

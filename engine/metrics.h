@@ -11,7 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "engine/engine.h"
+#include "engine/types.h"
 
 namespace latentd::engine {
 

@@ -1,0 +1,187 @@
+// The engine's value types: model shape and options, sequence state, decode steps and
+// their callback, metrics. The facade (engine/engine.h), the scheduler and the backends
+// all speak them; this header belongs to //engine:types alone.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kernels/params.h"
+
+namespace latentd::engine {
+
+enum class BackendKind { kAuto, kCuda, kCpu };
+
+struct ModelConfig {
+  int num_layers = 1;
+  int num_heads_q = 16;
+  int num_heads_kv = 1;
+  kernels::DType dtype = kernels::DType::kBF16;
+  float softmax_scale = 0.f;  // 0 = 1/sqrt(576)
+};
+
+struct EngineOptions {
+  ModelConfig model;
+  BackendKind backend = BackendKind::kAuto;
+  int device = 0;
+  // KV pool size: exactly one of these is used, in this order of precedence.
+  int64_t kv_pages = 0;
+  int64_t kv_bytes = 0;
+  double kv_memory_fraction = 0.0;  // of free GPU memory (CUDA) or of physical RAM (CPU)
+  // How the pool stores rows: in the model dtype, or quantized to fp8_e4m3
+  // (kernels/kv_fp8.h) as they are appended. Clients send 16-bit rows either way.
+  kernels::KvDType kv_dtype = kernels::KvDType::kModel;
+  int max_batch_size = 64;          // steps per launch
+  int max_batch_tokens = 1024;      // query rows (sum of s_q) per launch
+  int max_queue = 4096;             // queued steps before submissions are refused
+  // How long an idle scheduler waits for more steps before launching; a SubmitBatch of
+  // two or more steps (one DecodeRequest) ends it at once.
+  absl::Duration batch_window = absl::Microseconds(50);
+  // How long the scheduler spins, after a batch, for the next steps before it sleeps:
+  // a step submitted within it is picked up without a wake-up (tens of microseconds on
+  // a busy host) at the cost of a core while it spins. 0 = sleep at once.
+  absl::Duration idle_spin = absl::ZeroDuration();
+  int max_s_q = 8;                  // largest s_q a step may carry
+  int cpu_threads = 0;              // CPU backend threads, 0 = all
+  // Threads that run StepDone callbacks, so the scheduler does not answer each step of
+  // a batch itself before staging the next (engine/completion_pool.h); 0 = on the
+  // scheduler thread. Steps of one flow complete in order either way, except that steps
+  // marked DecodeStep::complete_inline are always answered on the scheduler thread, so
+  // they keep their order among themselves but not against the flow's other steps.
+  int completion_threads = 4;
+  // Live sequences (forks included) before CreateSequence and ForkSequence fail
+  // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.
+  int64_t max_sequences = 0;
+  // Tests only: called between two chunks of a large AppendKv, with the KV lock
+  // released (to show that other work proceeds meanwhile). Empty in production.
+  std::function<void()> on_append_chunk_for_testing;
+  // Tests only: called inside SubmitBatch between two steps' pushes (to show that the
+  // scheduler waits for the whole message). Empty in production.
+  std::function<void()> on_batch_submit_for_testing;
+  // How long the scheduler waits for a SubmitBatch under way before forming a batch
+  // anyway (queueing a message's steps takes microseconds; this bounds a submitter
+  // that was descheduled).
+  absl::Duration batch_submit_wait = absl::Milliseconds(2);
+};
+
+struct EngineInfo {
+  ModelConfig model;
+  std::string backend;  // "cuda:<device name>" or "cpu"
+  int64_t total_pages = 0;
+  int64_t free_pages = 0;
+  int max_batch_size = 0;
+  kernels::KvDType kv_dtype = kernels::KvDType::kModel;  // name: kernels::KvDTypeName
+  int64_t kv_bytes_per_token = 0;  // pool bytes one token takes, every layer and KV head
+};
+
+struct SequenceLengths {
+  std::string sequence_id;
+  std::vector<int64_t> lengths;  // per layer, after the operation
+};
+
+// What a client needs to resynchronise with a sequence after losing track of it (a
+// reconnect, a failed upload): its rows per layer and the pages behind them.
+struct SequenceInfo {
+  std::string sequence_id;
+  std::vector<int64_t> lengths;  // rows per layer
+  int64_t pages = 0;             // pages its block table holds (shared ones included)
+  int64_t shared_pages = 0;      // of those, pages another sequence (a fork) also holds
+  absl::Time last_used;          // last create, append or decode step (for the idle TTL)
+};
+
+// Device memory opened from another process's CUDA IPC handle.
+struct DeviceMemory {
+  uint64_t address = 0;  // the device address of the requested range's first byte
+  uint64_t mapping = 0;  // what the backend opened (the allocation's base), for closing
+};
+
+// One decode step. The caller owns every buffer and keeps them (and the step) alive
+// until StepDone has been called for it.
+struct DecodeStep;
+
+class StepCallback {
+ public:
+  virtual ~StepCallback() = default;
+  // Called exactly once per accepted step, on an engine thread: OK means out and lse
+  // were written. Must not block.
+  virtual void StepDone(DecodeStep* step, absl::Status status) = 0;
+  // Steps of this callback that finished together (of one batch, in the order they
+  // were submitted), so a caller answering many steps of one stream takes its locks
+  // once. The default calls StepDone for each. Must not block.
+  virtual void StepsDone(DecodeStep* const* steps, const absl::Status* statuses, int n) {
+    for (int i = 0; i < n; ++i) StepDone(steps[i], statuses[i]);
+  }
+};
+
+struct DecodeStep {
+  uint64_t request_id = 0;
+  // The submitter's fairness key (for example one per gRPC stream): each batch shares
+  // its query rows fairly between the flows with steps waiting, and steps of one flow
+  // launch in the order submitted. 0 = the step's sequence is its own flow.
+  uint64_t flow = 0;
+  std::string sequence_id;
+  int layer = 0;
+  int s_q = 1;
+  bool causal = false;
+  absl::string_view q;   // [s_q, h_q, 576] raw values in the model dtype
+  absl::string_view kv;  // [s_q, h_kv, 576] the new tokens' latent rows
+  char* out = nullptr;   // [s_q, h_q, 512] model dtype, written on success
+  float* lse = nullptr;  // [h_q, s_q]
+  // Set when q, kv, out and lse all lie in memory given to Engine::RegisterHostMemory:
+  // its base and the device address it returned. The backend then moves them straight
+  // between that memory and the device, with no staging copy on the host.
+  const char* host_base = nullptr;
+  uint64_t device_base = 0;
+  // Set instead when only q and kv lie in registered host memory (a stream's own input
+  // buffers): the backend reads them from there with no staging copy and returns out
+  // and lse as for any other step. Ignored when device_base is set.
+  const char* in_host_base = nullptr;
+  uint64_t in_device_base = 0;
+  absl::Time deadline = absl::InfiniteFuture();
+  const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
+  StepCallback* callback = nullptr;
+  // The callback only publishes results where the client polls for them (a doorbell
+  // ring's completion queue: memory stores and at most a futex wake), so the scheduler
+  // runs it itself when the batch finishes instead of handing it to a completion
+  // thread, whose wake-up would sit between the results and the client.
+  bool complete_inline = false;
+  // Engine bookkeeping. The times are set for every step (a store each): when it was
+  // queued, put into a batch, launched (rows appended, inputs staged) and finished
+  // (results in out/lse); the server reports them to clients that trace a step.
+  absl::Time enqueued_at;
+  absl::Time batched_at, launched_at, finished_at;
+  // The message (Engine::SubmitBatch) this step came in, or 0 for a lone step: a
+  // message's consecutive steps in one flow launch together when they fit one launch.
+  uint64_t unit = 0;
+  void* engine_private = nullptr;
+};
+
+struct EngineMetrics {
+  double steps_per_second = 0;  // over the last few seconds
+  uint64_t steps_completed = 0;
+  uint64_t batches = 0;
+  std::vector<uint64_t> batch_size_histogram;  // bucket i: batches of size in [2^i, 2^(i+1))
+  double queue_wait_us_p50 = 0, queue_wait_us_p90 = 0, queue_wait_us_p99 = 0;
+  double exec_us_p50 = 0, exec_us_p90 = 0, exec_us_p99 = 0;
+  int64_t pages_used = 0, pages_free = 0, pages_high_water = 0;
+  uint64_t rejected_queue_full = 0, rejected_out_of_pages = 0, rejected_invalid = 0,
+           rejected_deadline = 0, dropped_cancelled = 0;
+  uint64_t rejected_max_sequences = 0;  // CreateSequence/ForkSequence at max_sequences
+  int64_t queued_steps = 0;
+  int64_t sequences = 0;
+  // Fair sharing: flows with steps waiting now; of the last batch, the flows it served
+  // and the most query rows one flow got.
+  int64_t waiting_flows = 0;
+  int last_batch_flows = 0;
+  int last_batch_max_flow_rows = 0;
+  // AppendKv copies in chunks, dropping the KV lock in between; chunks copied so far.
+  uint64_t append_chunks = 0;
+};
+
+}  // namespace latentd::engine
