@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "fuzz/service_harness.h"
-#include "server/ring.h"
+#include "proto/ring.h"
 
 using latentd::fuzz::Fail;
 using latentd::fuzz::Harness;

@@ -25,8 +25,8 @@
 #include "grpcpp/support/slice.h"
 #include "kernels/params.h"
 #include "server/auth.h"
-#include "server/ring.h"
-#include "server/wire.h"
+#include "proto/ring.h"
+#include "proto/wire.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {

@@ -11,15 +11,15 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # A writable copy in the checkout's layout: pip builds in place, and setup.py reads
 # ../../proto and ../version.h.
-mkdir -p "$tmp/src/server/python" "$tmp/src/proto"
-cp -rL "$root/server/python/setup.py" "$root/server/python/pyproject.toml" "$root/server/python/src" \
-  "$tmp/src/server/python/"
+mkdir -p "$tmp/src/clients/python" "$tmp/src/proto"
+cp -rL "$root/clients/python/setup.py" "$root/clients/python/pyproject.toml" "$root/clients/python/src" \
+  "$tmp/src/clients/python/"
 cp -L "$root/server/version.h" "$tmp/src/server/"
 cp -L "$root/proto/latentd.proto" "$root/proto/health.proto" "$tmp/src/proto/"
 
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
 /usr/bin/python3 -m venv --system-site-packages "$tmp/venv"
-(cd "$tmp/src" && "$tmp/venv/bin/python" -m pip install --no-build-isolation --no-deps ./server/python) \
+(cd "$tmp/src" && "$tmp/venv/bin/python" -m pip install --no-build-isolation --no-deps ./clients/python) \
   >"$tmp/pip.log" 2>&1 || { cat "$tmp/pip.log" >&2; fail "pip install"; }
 
 unset PYTHONPATH

@@ -26,9 +26,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "server/client/client.h"
-#include "server/client/reference.h"
-#include "server/client/sharded_client.h"
+#include "clients/cpp/client.h"
+#include "clients/cpp/reference.h"
+#include "clients/cpp/sharded_client.h"
 #include "tests/integration/daemon.h"
 
 namespace latentd::testing {

@@ -9,8 +9,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "server/client/client.h"
-#include "server/client/reference.h"
+#include "clients/cpp/client.h"
+#include "clients/cpp/reference.h"
 
 ABSL_FLAG(std::string, target, "", "daemon address");
 ABSL_FLAG(int, sequences, 3, "sequences to create");

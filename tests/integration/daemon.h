@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/client/client.h"
+#include "clients/cpp/client.h"
 
 namespace latentd::testing {
 

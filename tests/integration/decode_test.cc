@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "server/client/client.h"
-#include "server/client/reference.h"
+#include "clients/cpp/client.h"
+#include "clients/cpp/reference.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
 

@@ -3,5 +3,5 @@
 # runfiles; the test also needs Debian's prometheus server (/usr/bin/prometheus).
 set -euo pipefail
 root="$TEST_SRCDIR/$TEST_WORKSPACE"
-export PYTHONPATH="$root/server/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 "$root/tests/integration/metrics_test.py" -v

@@ -296,7 +296,7 @@ class PythonClientTest(unittest.TestCase):
         self.assertIn(b"grpc.health.v1.Health", responses[0])
 
     def test_example_script(self):
-        example = os.path.join(RUNFILES, "server/python/example.py")
+        example = os.path.join(RUNFILES, "clients/python/example.py")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
         run = subprocess.run([sys.executable, example, "--target", self.daemon.target, "--layer", "1"],
                              env=env, capture_output=True, text=True, timeout=120)

@@ -3,5 +3,5 @@
 # from the runfiles (a py_test's stub needs a `python` executable that Debian lacks).
 set -euo pipefail
 root="$TEST_SRCDIR/$TEST_WORKSPACE"
-export PYTHONPATH="$root/server/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 "$root/tests/integration/python_client_test.py" -v

@@ -10,8 +10,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "server/client/client.h"
-#include "server/ring.h"
+#include "clients/cpp/client.h"
+#include "proto/ring.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
 

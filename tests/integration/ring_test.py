@@ -1,5 +1,5 @@
 # The Python client's consistent-hash ring against the table the C++ client checks too
-# (server/client/testdata/ring_table.txt, //server:hash_ring_test): both place every
+# (clients/cpp/testdata/ring_table.txt, //clients/cpp:hash_ring_test): both place every
 # sequence on the same daemon. Plus the FNV-1a test vectors and the ring's properties.
 import collections
 import os
@@ -9,7 +9,7 @@ from latentd_client import HashRing, route_hash, salted_route
 from latentd_client.sharded import fnv1a64
 
 RUNFILES = os.path.join(os.environ.get("TEST_SRCDIR", "."), os.environ.get("TEST_WORKSPACE", "latentd"))
-TABLE = os.path.join(RUNFILES, "server/client/testdata/ring_table.txt")
+TABLE = os.path.join(RUNFILES, "clients/cpp/testdata/ring_table.txt")
 
 
 def key(field):

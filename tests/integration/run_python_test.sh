@@ -3,7 +3,7 @@
 # latentd_client package from the runfiles; further arguments go to the script.
 set -euo pipefail
 root="$TEST_SRCDIR/$TEST_WORKSPACE"
-export PYTHONPATH="$root/server/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 script="$root/$1"
 shift
 exec /usr/bin/python3 "$script" "$@"

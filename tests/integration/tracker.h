@@ -13,8 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/client/client.h"
-#include "server/client/reference.h"
+#include "clients/cpp/client.h"
+#include "clients/cpp/reference.h"
 
 namespace latentd::testing {
 
