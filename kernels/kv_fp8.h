@@ -91,7 +91,9 @@ LATENTD_HD float E4m3ToFloat(uint8_t c) {
 }
 
 // The block exponent e for the largest finite magnitude `amax` of a block: the smallest
-// e with amax <= 448 * 2^e, clamped to the dtype's range; 0 for an all-zero block.
+// e with amax <= 448 * 2^e, clamped to the dtype's range; 0 where amax is 0 (a block
+// with no nonzero finite value: zeros only, or zeros beside NaN or +-inf), which gives
+// nothing to scale by, so +-inf there quantizes to +-448 x 2^0.
 LATENTD_HD int Fp8BlockExponent(float amax, DType dtype) {
   const int lo = Fp8MinExponent(dtype);
   if (!(amax > 0.f)) return 0;

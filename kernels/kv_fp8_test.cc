@@ -111,6 +111,43 @@ TEST(Fp8Row, NanAndInfDoNotPoisonTheBlock) {
   for (int d : {0, 4, 129, 131, 259, 261, 511}) EXPECT_EQ(HalfToFloat(dt, back[d]), 0.5f) << d;
 }
 
+// A block with no nonzero finite value has nothing to scale by, so its exponent is 0
+// (scale 1), not the dtype's lower bound: +inf beside zeros reads back as 448, not as
+// 448 x 2^-119 (bf16) or 448 x 2^-22 (fp16). Both quantizers (this CPU one and the GPU
+// scatter, engine/cuda/scatter_rows.cu) take amax over finite values and call
+// Fp8BlockExponent, which this pins for amax = 0 too.
+TEST(Fp8Row, BlockWithoutNonzeroFiniteValueHasExponentZero) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    EXPECT_EQ(Fp8BlockExponent(0.f, dt), 0);
+    std::vector<uint16_t> row(kHeadDimQK, FloatToHalf(dt, 0.f)), back(kHeadDimQK);
+    // Block 0: zeros and +inf, -inf; block 1: zeros only; block 2: zeros and NaN;
+    // block 3: zeros, -0 and +inf.
+    row[5] = FloatToHalf(dt, inf);
+    row[6] = FloatToHalf(dt, -inf);
+    row[2 * kFp8BlockValues + 7] = FloatToHalf(dt, nan);
+    row[3 * kFp8BlockValues + 1] = FloatToHalf(dt, -0.f);
+    row[3 * kFp8BlockValues + 127] = FloatToHalf(dt, inf);
+    std::vector<uint8_t> q(kFp8RowBytes);
+    QuantizeKvRowFp8(dt, row.data(), q.data());
+    for (int blk = 0; blk < kFp8Blocks; ++blk) {
+      float scale;
+      std::memcpy(&scale, q.data() + kFp8ScaleOffset + 4 * blk, 4);
+      EXPECT_EQ(scale, 1.f) << "block " << blk << " dtype " << static_cast<int>(dt);
+    }
+    DequantizeKvRowFp8(dt, q.data(), back.data());
+    EXPECT_EQ(HalfToFloat(dt, back[5]), 448.f);
+    EXPECT_EQ(HalfToFloat(dt, back[6]), -448.f);
+    EXPECT_EQ(HalfToFloat(dt, back[3 * kFp8BlockValues + 127]), 448.f);
+    EXPECT_EQ(HalfToFloat(dt, back[2 * kFp8BlockValues + 7]), 0.f);  // NaN -> 0
+    for (int d = 0; d < kHeadDimV; ++d) {
+      if (d == 5 || d == 6 || d == 3 * kFp8BlockValues + 127) continue;
+      EXPECT_EQ(HalfToFloat(dt, back[d]), 0.f) << d;
+    }
+  }
+}
+
 // The CPU decoder over an fp8 cache against the reference that dequantizes the same
 // bytes (same tolerance as a 16-bit cache), and the quantization error against the
 // unquantized reference, printed for docs/fp8-kv-cache.md.
