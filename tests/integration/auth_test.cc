@@ -120,10 +120,15 @@ TEST(AuthTest, FailuresAreCountedAndLoggedAtMostOncePerSecond) {
 
   std::string reply;
   // Six refusals in quick succession, then one more after a second: two log lines.
+  const absl::Time first = absl::Now();
   for (int i = 0; i < 3; ++i) EXPECT_EQ(ListServices(daemon, "bad-token-presented", &reply).error_code(),
                                         grpc::StatusCode::UNAUTHENTICATED);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(GetInfo(daemon, "bad-token-presented").error_code(),
                                         grpc::StatusCode::UNAUTHENTICATED);
+  // Whether the six fell within the limiter's one-second window depends on the machine
+  // (six calls under TSan on a loaded one can take longer); only then is the number of
+  // lines known. The total is checked either way.
+  const bool quick = absl::Now() - first < absl::Milliseconds(900);
   absl::SleepFor(absl::Milliseconds(1100));
   EXPECT_EQ(GetInfo(daemon, "").error_code(), grpc::StatusCode::UNAUTHENTICATED);
 
@@ -140,7 +145,7 @@ TEST(AuthTest, FailuresAreCountedAndLoggedAtMostOncePerSecond) {
   step.set_q(std::string((*c)->shape().q_row_bytes, '\0'));
   step.set_kv(std::string((*c)->shape().kv_row_bytes, '\0'));
   ASSERT_TRUE((*c)->DecodeAll({step}).ok());
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + HangGuard(absl::Seconds(10));
   while (!absl::StrContains(daemon.Log(), "auth failures") && absl::Now() < deadline)
     absl::SleepFor(absl::Milliseconds(100));
 
@@ -153,8 +158,13 @@ TEST(AuthTest, FailuresAreCountedAndLoggedAtMostOncePerSecond) {
   }
   int lines = 0;
   for (size_t at = log.find("auth: refused"); at != std::string::npos; at = log.find("auth: refused", at + 1)) ++lines;
-  EXPECT_EQ(lines, 2) << log;
-  EXPECT_TRUE(absl::StrContains(log, "5 more refused since the previous line; 7 in total")) << log;
+  EXPECT_GE(lines, 2) << log;
+  EXPECT_LE(lines, 7) << log;
+  EXPECT_TRUE(absl::StrContains(log, "; 7 in total")) << log;
+  if (quick) {
+    EXPECT_EQ(lines, 2) << log;
+    EXPECT_TRUE(absl::StrContains(log, "5 more refused since the previous line; 7 in total")) << log;
+  }
   // The first line names the reflection method, the second DecodeService.
   EXPECT_TRUE(absl::StrContains(log, "refused /grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"))
       << log;
@@ -284,7 +294,7 @@ TEST(AuthTest, HealthWatchStreamsAreBounded) {
   watches[0]->reader->Finish();
   watches.erase(watches.begin());
   bool reopened = false;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + HangGuard(absl::Seconds(10));
   while (!reopened && absl::Now() < deadline) {
     auto again = open();
     grpc::health::v1::HealthCheckResponse resp;

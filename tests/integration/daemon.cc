@@ -113,7 +113,7 @@ bool Daemon::Start(absl::Duration timeout) {
   pid_ = Spawn(other != nullptr && *other != '\0' ? std::string(other) : RunfilePath("server/latentd"), args,
                dir_ + "/latentd.log");
   if (pid_ <= 0) return false;
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = absl::Now() + HangGuard(timeout);
   while (absl::Now() < deadline) {
     std::ifstream f(port_file);
     if (f >> port_ && port_ > 0) return true;
@@ -145,7 +145,7 @@ bool Daemon::Running() {
 }
 
 int Daemon::Wait(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = absl::Now() + HangGuard(timeout);
   while (Running()) {
     if (absl::Now() > deadline) return -1;
     absl::SleepFor(absl::Milliseconds(10));

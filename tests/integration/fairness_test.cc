@@ -10,11 +10,14 @@
 #include <functional>
 #include <thread>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/status/status.h"
 #include "absl/time/clock.h"
+#include "kernels/params.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
 
@@ -54,12 +57,12 @@ struct Phases {
 };
 
 // One step at a time on one stream, each result checked, for n steps and then while
-// `more` says so; returns latencies in ms.
+// `more` says so, but never more than max_steps; returns latencies in ms.
 std::vector<double> Steady(Tracker* t, const std::string& seq, int n, Phases* phases = nullptr,
-                           const std::function<bool()>& more = nullptr) {
+                           const std::function<bool()>& more = nullptr, int max_steps = 0) {
   auto stream = t->client()->OpenDecodeStream();
   std::vector<double> ms;
-  for (int i = 0; i < n || (more && more()); ++i) {
+  for (int i = 0; (i < n || (more && more())) && (max_steps <= 0 || i < max_steps); ++i) {
     v1::DecodeRequest req;
     *req.add_steps() = t->Step(seq, 0);
     req.mutable_steps(0)->set_trace(phases != nullptr);
@@ -113,11 +116,14 @@ class Flood {
         s->set_q(std::string(static_cast<size_t>(sh.QBytes(1)), '\x01'));
         s->set_kv(std::string(static_cast<size_t>(sh.KvBytes(1)), '\x01'));
       }
-      while (!stop_.load() && stream_->Write(req)) {
-      }
+      while (!stop_.load() && stream_->Write(req)) ++writes_;
       stream_->WritesDone();
     });
-    absl::SleepFor(absl::Seconds(1));  // its queue is full by now
+    // Measured only once the daemon serves the flood (a whole message answered) and two
+    // more messages have been taken behind it: a backlog, however slow the machine is,
+    // where a fixed wait could leave a slow machine measuring beside a flood not yet
+    // queued.
+    while (results_.load() == 0 || writes_.load() < 3) absl::SleepFor(absl::Milliseconds(10));
   }
   int Stop() {
     stop_.store(true);
@@ -133,11 +139,14 @@ class Flood {
   std::unique_ptr<client::DecodeStream> stream_;
   std::atomic<bool> stop_{false};
   std::atomic<int> results_{0};
+  std::atomic<int> writes_{0};
   std::thread reader_, writer_;
 };
 
 // A client uploading large AppendKv messages (256 MiB: long enough that a copy made
-// under one lock hold would stall decoding for tens of milliseconds) until stopped.
+// under one lock hold would stall decoding for tens of milliseconds) until stopped or
+// until one fails (then it stops: the test reports the error instead of retrying
+// forever).
 constexpr int64_t kUploadBytes = int64_t{256} << 20;
 class Uploader {
  public:
@@ -153,28 +162,47 @@ class Uploader {
     rows_.assign(static_cast<size_t>(kUploadBytes / row * row), '\x02');
     thread_ = std::thread([this] {
       while (!stop_.load()) {
-        auto s = client_->CreateSequence();
-        ASSERT_TRUE(s.ok());
-        auto r = client_->AppendKv(*s, 0, rows_);
-        EXPECT_TRUE(r.ok()) << r.status();
-        if (r.ok()) ++uploads_;
-        EXPECT_TRUE(client_->ReleaseSequence(*s).ok());
+        absl::Status st;
+        if (auto s = client_->CreateSequence(); !s.ok()) {
+          st = s.status();
+        } else {
+          auto r = client_->AppendKv(*s, 0, rows_);
+          st = r.status();
+          if (absl::Status released = client_->ReleaseSequence(*s).status(); st.ok()) st = released;
+        }
+        if (!st.ok()) {
+          std::lock_guard<std::mutex> l(mu_);
+          error_ = st;
+          failed_.store(true);
+          return;
+        }
+        ++uploads_;
       }
     });
-    while (uploads_.load() == 0) absl::SleepFor(absl::Milliseconds(10));
+    while (uploads_.load() == 0 && !failed_.load()) absl::SleepFor(absl::Milliseconds(10));
   }
+  ~Uploader() { Stop(); }
   int Stop() {
     stop_.store(true);
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
     return uploads_.load();
   }
   int uploads() const { return uploads_.load(); }
+  bool failed() const { return failed_.load(); }
+  absl::Status error() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return error_;
+  }
+  int64_t rows() const { return static_cast<int64_t>(rows_.size()) / client_->shape().kv_row_bytes; }
 
  private:
   std::unique_ptr<client::Client> client_;
   std::string rows_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};
   std::atomic<int> uploads_{0};
+  mutable std::mutex mu_;
+  absl::Status error_;
   std::thread thread_;
 };
 
@@ -222,8 +250,21 @@ TEST(FairnessTest, AFloodDoesNotStarveASteadyClient) {
 }
 
 TEST(FairnessTest, ALargeUploadDoesNotStallADecoder) {
-  // Room for one upload (3641 pages) beside the decoder's sequence.
-  const std::vector<std::string> flags = {"--num_layers=1", "--num_heads_q=16", "--kv_pages=3700",
+  // Both windows span the same number of whole uploads, at least kMinWindowSteps and at
+  // most kMaxWindowSteps decode steps. The decoder appends a row per step, so the cap is
+  // what bounds its sequence however slow the uploads run beside it, and the pool holds
+  // one upload beside the longest the decoder's sequence can grow: a machine too slow for
+  // kWindowUploads uploads in kMaxWindowSteps steps measures shorter windows (still all
+  // beside uploads in progress) instead of running out of pages.
+  constexpr int kWindowUploads = 3, kMinWindowSteps = 400, kMaxWindowSteps = 4000;
+  constexpr int kPrefix = 64, kWarmUp = 20, kAlone = 400;
+  constexpr int64_t kRowBytes = 576 * 2;  // one bf16 KV head (checked below)
+  constexpr int64_t kUploadPages = (kUploadBytes / kRowBytes + kernels::kPageSize - 1) / kernels::kPageSize;
+  constexpr int64_t kDecoderRows = kPrefix + kWarmUp + kAlone + 2 * kMaxWindowSteps;
+  // +1: a step reserves its row's page before the previous page is full.
+  constexpr int64_t kDecoderPages = (kDecoderRows + kernels::kPageSize - 1) / kernels::kPageSize + 1;
+  const std::vector<std::string> flags = {"--num_layers=1", "--num_heads_q=16",
+                                          absl::StrCat("--kv_pages=", kUploadPages + kDecoderPages),
                                           "--max_message_bytes=272629760"};
   Daemon daemon(flags);
   Daemon other(flags);
@@ -231,25 +272,30 @@ TEST(FairnessTest, ALargeUploadDoesNotStallADecoder) {
   ASSERT_TRUE(other.Start()) << other.Log();
   auto steady_client = daemon.Connect();
   ASSERT_TRUE(steady_client.ok());
+  ASSERT_EQ((*steady_client)->shape().kv_row_bytes, kRowBytes) << "the pool is sized for this row";
   Tracker steady(steady_client->get(), 23);
-  auto mine = steady.NewSequence({64});
+  auto mine = steady.NewSequence({kPrefix});
   ASSERT_TRUE(mine.ok());
-  Steady(&steady, *mine, 20);
-  const std::vector<double> alone = Steady(&steady, *mine, 400);
+  Steady(&steady, *mine, kWarmUp);
+  const std::vector<double> alone = Steady(&steady, *mine, kAlone);
 
-  // Both windows span the same number of whole uploads (and at least 400 steps).
-  constexpr int kWindowUploads = 3;
   auto window = [&](const Uploader& u) {
     const int until = u.uploads() + kWindowUploads + 1;  // the upload in progress, then whole ones
-    return Steady(&steady, *mine, 400, nullptr, [&] { return u.uploads() < until; });
+    return Steady(&steady, *mine, kMinWindowSteps, nullptr,
+                  [&] { return u.uploads() < until && !u.failed(); }, kMaxWindowSteps);
   };
   Uploader elsewhere(other);
+  ASSERT_FALSE(elsewhere.failed()) << elsewhere.error();
   const std::vector<double> control = window(elsewhere);
   const int control_uploads = elsewhere.Stop();
+  ASSERT_FALSE(elsewhere.failed()) << elsewhere.error();
 
   Uploader beside_uploads(daemon);
+  ASSERT_FALSE(beside_uploads.failed()) << beside_uploads.error();
   const std::vector<double> beside = window(beside_uploads);
   const int uploads = beside_uploads.Stop();
+  ASSERT_FALSE(beside_uploads.failed()) << beside_uploads.error();
+  ASSERT_EQ(beside_uploads.rows(), kUploadBytes / kRowBytes);
 
   const double p99_alone = Percentile(alone, 0.99), p99_control = Percentile(control, 0.99),
                p99_beside = Percentile(beside, 0.99);

@@ -48,7 +48,7 @@ TEST(LifecycleTest, KilledClientCorruptsNothingAndItsSequencesExpire) {
   const pid_t pid = Spawn(RunfilePath("tests/integration/crash_client"),
                           {"--target=" + daemon.target(), "--sequences=3", "--prefix_len=1500", "--steps=300"}, log);
   ASSERT_GT(pid, 0);
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  const absl::Time deadline = absl::Now() + HangGuard(absl::Seconds(60));
   while (!absl::StrContains(ReadAll(log), "READY") && absl::Now() < deadline) {
     // Our own sequence keeps working while the other client loads the server.
     auto r = (*c)->DecodeAll({tracker.Step(*mine, 0)});
@@ -66,7 +66,7 @@ TEST(LifecycleTest, KilledClientCorruptsNothingAndItsSequencesExpire) {
 
   // Within a few TTLs the doomed sequences are released; ours, in use, stays correct.
   int64_t sequences = -1;
-  const absl::Time ttl_deadline = absl::Now() + absl::Seconds(20);
+  const absl::Time ttl_deadline = absl::Now() + HangGuard(absl::Seconds(20));
   while (absl::Now() < ttl_deadline) {
     auto r = (*c)->DecodeAll({tracker.Step(*mine, 0)});
     ASSERT_TRUE(r.ok()) << r.status();
@@ -241,7 +241,7 @@ TEST(LifecycleTest, StreamWhoseClientStopsReadingIsCancelled) {
   }
   ASSERT_GT(sent, 0);
   // Read nothing. Within a few seconds the server gives up on the stream.
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  const absl::Time deadline = absl::Now() + HangGuard(absl::Seconds(30));
   while (!absl::StrContains(daemon.Log(), "cancelled 1 Decode streams") && absl::Now() < deadline)
     absl::SleepFor(absl::Milliseconds(100));
   ASSERT_TRUE(absl::StrContains(daemon.Log(), "cancelled 1 Decode streams")) << daemon.Log();

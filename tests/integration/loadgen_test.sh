@@ -7,6 +7,18 @@ loadgen=$2
 dir=${TEST_TMPDIR:-$(mktemp -d)}
 pid=
 trap 'kill -9 $pid 2>/dev/null || true' EXIT
+# wait_for_file FILE PID: until FILE is non-empty (the daemon writes its port file once
+# it serves) or PID has exited. The 300 s bound only guards against a hang: start-up
+# under TSan on a loaded machine can take a minute, and the wait ends as soon as the
+# file is there.
+wait_for_file() {
+  local i
+  for ((i = 0; i < 15000; ++i)); do
+    [[ -s $1 ]] && return 0
+    kill -0 "$2" 2>/dev/null || return 0
+    sleep 0.02
+  done
+}
 # start_daemon LOG [FLAGS...]: a CPU-backend daemon on a free port; sets pid.
 start_daemon() {
   local log=$1
@@ -15,7 +27,7 @@ start_daemon() {
   LATENTD_KV_POISON=1 "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 "$@" --listen=127.0.0.1:0 --port_file="$dir/port" \
     > "$log" 2>&1 &
   pid=$!
-  for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+  wait_for_file "$dir/port" $pid
   [[ -s $dir/port ]] || { cat "$log"; exit 1; }
 }
 start_daemon "$dir/latentd.log"

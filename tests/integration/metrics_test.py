@@ -54,7 +54,9 @@ class Daemon:
              "--kv_pages=256", f"--max_sequences={MAX_SEQUENCES}", "--listen=127.0.0.1:0",
              f"--port_file={port_file}", "--metrics_listen=127.0.0.1:0"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        wait_for("latentd to start", lambda: os.path.exists(port_file) or self.proc.poll() is not None, 60)
+        # A guard only (it ends once the port file is there): a sanitizer build on a loaded
+        # machine can take over a minute to start.
+        wait_for("latentd to start", lambda: os.path.exists(port_file) or self.proc.poll() is not None, 600)
         if self.proc.poll() is not None:
             raise RuntimeError("latentd did not start:\n" + self.read_log())
         with open(port_file) as f:

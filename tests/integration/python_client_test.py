@@ -30,7 +30,9 @@ class Daemon:
             [os.path.join(RUNFILES, "server/latentd"), "--backend=cpu", "--cpu_threads=2",
              "--listen=127.0.0.1:0", f"--port_file={port_file}", *flags],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
+        # Only a guard against a daemon that hangs: the wait ends once the port file is
+        # there, and a TSan daemon on a loaded machine can take over a minute to start.
+        deadline = time.time() + 600
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError("latentd did not start:\n" + open(self.log_path).read())

@@ -12,12 +12,24 @@ dir=${TEST_TMPDIR:-$(mktemp -d)}
 # A socket path has at most 107 bytes, which the test's own directory can exceed.
 sockdir=$(mktemp -d /tmp/latentd-rb.XXXXXX)
 sock="$sockdir/latentd.sock"
+# wait_for_file FILE PID: until FILE is non-empty (the daemon writes its port file once
+# it serves) or PID has exited. The 300 s bound only guards against a hang: start-up
+# under TSan on a loaded machine can take a minute, and the wait ends as soon as the
+# file is there.
+wait_for_file() {
+  local i
+  for ((i = 0; i < 15000; ++i)); do
+    [[ -s $1 ]] && return 0
+    kill -0 "$2" 2>/dev/null || return 0
+    sleep 0.02
+  done
+}
 pid=
 trap 'kill -9 $pid 2>/dev/null || true; rm -rf "$sockdir"' EXIT
 LATENTD_KV_POISON=1 "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --num_heads_q=16 --kv_pages=2048 --listen="unix:$sock" \
   --port_file="$dir/port" --stats_interval_s=0 > "$dir/latentd.log" 2>&1 &
 pid=$!
-for _ in $(seq 500); do [[ -s $dir/port ]] && break; sleep 0.02; done
+wait_for_file "$dir/port" $pid
 [[ -s $dir/port ]] || { cat "$dir/latentd.log"; exit 1; }
 grep -q "unix:$sock" "$dir/latentd.log" || { echo "the daemon did not name its unix socket"; cat "$dir/latentd.log"; exit 1; }
 run() {
@@ -43,7 +55,8 @@ wait $pid
 rm -f "$dir/fport"
 "$grpc_floor" --serve --listen="unix:$sockdir/floor.sock" --port_file="$dir/fport" > "$dir/floor.log" 2>&1 &
 pid=$!
-for _ in $(seq 500); do [[ -s $dir/fport ]] && break; sleep 0.02; done
+wait_for_file "$dir/fport" $pid
+[[ -s $dir/fport ]] || { cat "$dir/floor.log"; exit 1; }
 out=$("$grpc_floor" --target="unix:$sockdir/floor.sock" --streams=4 --connections=2 --request_bytes=70000 \
   --response_bytes=5000 --messages=30)
 echo "$out"
