@@ -2,8 +2,8 @@
 // decode (host planner + kernel + combine) and the decode kernel alone, median of many
 // runs with CUDA events, inputs rotated over a pool larger than L2 and filled with
 // random numbers. Prints a markdown table.
-//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_ring] [--fp8_regs 0|1]
-//         [--fused_combine] [--splits N] [--shape b,h_q,s_k[,s_q]] [--copies N]
+//   bench [--runs N] [--only b,h_q,s_k] [--tile 16|32|64] [--kv_dtype model|fp8_e4m3] [--fp8_regs 0|1]
+//         [--p_rounding split|once] [--splits N] [--shape b,h_q,s_k[,s_q]] [--copies N]
 //         [--page_order sequential|shuffled] [--repeat N]
 // --shape times that one bf16 shape (causal when s_q > 1) instead of the table's rows.
 #include <cuda_runtime.h>
@@ -75,9 +75,21 @@ void ForceSplits(DecodePlan* plan, int s_k) {
   plan->keys_per_split = (want + 31) / 32 * 32;
   plan->num_splits = std::max(1, (s_k + plan->keys_per_split - 1) / plan->keys_per_split);
 }
-int g_fp8_regs = -1;     // --fp8_regs 0|1: force DecodePlan::fp8_regs (-1: the planner's choice)
-bool g_fp8_ring = false;  // --fp8_ring: the FP8 cache's raw-row ring variant (DecodePlan::fp8_ring)
-bool g_fused = false;     // --fused_combine: merge 2-4 partitions in the decode kernel (DecodePlan::fused_combine)
+// --fp8_regs 0|1: the 16-row tile's FP8 pipeline forced, in place (0) or in registers (1);
+// -1: the planner's choice.
+int g_fp8_regs = -1;
+// --p_rounding: how bf16 P is rounded (MlaDecodeParams::p_rounding; fp16 rows ignore it).
+kernels::PRounding g_p_rounding = kernels::PRounding::kSplit;
+
+// The plan's overrides of the flags above.
+void Override(const MlaDecodeParams& p, int s_k, DecodePlan* plan) {
+  ForceSplits(plan, s_k);
+  if (g_fp8_regs >= 0 && plan->tile_rows == 16 && p.kv_dtype == kernels::KvDType::kFp8E4M3) {
+    plan->fp8_pipeline = g_fp8_regs == 1 ? kernels::Fp8Pipeline::kRegisters : kernels::Fp8Pipeline::kInPlace;
+    plan->smem_bytes = kernels::PlanSmemBytes(p.dtype, p.kv_dtype, plan->tile_rows, plan->fp8_pipeline,
+                                              plan->smem_plan);
+  }
+}
 int g_max_copies = 1024;  // --copies: at most this many copies of the inputs, used in turn
 // --page_order sequential: each sequence's pages in pool order instead of shuffled, to
 // measure what scattered pages cost (address translation, DRAM locality).
@@ -132,6 +144,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
     MlaDecodeParams p;
     p.dtype = c.dtype;
     p.kv_dtype = c.kv;
+    p.p_rounding = g_p_rounding;
     p.batch = c.b;
     p.s_q = s_q;
     p.h_q = c.h_q;
@@ -156,10 +169,7 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   Result r{};
   r.copies = copies;
   CHECK_OK(kernels::PlanDecode(dev, params(0), seqlens.data(), &r.plan, g_tile));
-  ForceSplits(&r.plan, c.s_k);
-  r.plan.fp8_ring = g_fp8_ring;
-  if (g_fp8_regs >= 0) r.plan.fp8_regs = g_fp8_regs == 1;
-  r.plan.fused_combine = g_fused;
+  Override(params(0), c.s_k, &r.plan);
   if (kernels::DecodeWorkspaceBytes(params(0), r.plan) > workspace_bytes) {
     std::fprintf(stderr, "workspace too small\n");
     std::exit(1);
@@ -179,14 +189,11 @@ Result RunConfig(const DeviceInfo& dev, const Config& c, int runs, void* pool, s
   };
   for (int it = -5; it < runs; ++it) {
     const MlaDecodeParams p = params((it + 5) % copies);
-    // Whole call: host planner + kernel (+ fused or separate combine).
+    // Whole call: host planner + kernel (+ combine).
     const double w = time_one([&] {
       DecodePlan plan;
       CHECK_OK(kernels::PlanDecode(dev, p, seqlens.data(), &plan, g_tile));
-      ForceSplits(&plan, c.s_k);
-      plan.fp8_ring = g_fp8_ring;
-      if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
-      plan.fused_combine = g_fused;
+      Override(p, c.s_k, &plan);
       CHECK_OK(kernels::LaunchDecode(p, plan, workspace, workspace_bytes, stream));
     });
     // The decode kernel alone, on the plan made beforehand, over the next copy of the
@@ -220,9 +227,15 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     if (!std::strcmp(argv[i], "--tile") && i + 1 < argc) g_tile = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--kv_dtype") && i + 1 < argc) kv_filter = argv[++i];
-    if (!std::strcmp(argv[i], "--fp8_ring")) g_fp8_ring = true;
     if (!std::strcmp(argv[i], "--fp8_regs") && i + 1 < argc) g_fp8_regs = std::atoi(argv[++i]) != 0;
-    if (!std::strcmp(argv[i], "--fused_combine")) g_fused = true;
+    if (!std::strcmp(argv[i], "--p_rounding") && i + 1 < argc) {
+      const std::string r = argv[++i];
+      if (r != "split" && r != "once") {
+        std::fprintf(stderr, "--p_rounding: expected split or once, got %s\n", r.c_str());
+        return 2;
+      }
+      g_p_rounding = r == "once" ? kernels::PRounding::kOnce : kernels::PRounding::kSplit;
+    }
     if (!std::strcmp(argv[i], "--splits") && i + 1 < argc) g_splits = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
     if (!std::strcmp(argv[i], "--copies") && i + 1 < argc) g_max_copies = std::max(1, std::atoi(argv[++i]));
@@ -308,7 +321,6 @@ int Main(int argc, char** argv) {
     ws_bytes = std::max(ws_bytes, kernels::MaxDecodeWorkspaceBytes(dev, c.b, c.s_q, c.h_q, 1));
   void* ws = nullptr;
   CHECK_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
-  CHECK_OK(kernels::InitDecodeWorkspace(ws, ws_bytes, stream));  // once: the decode keeps it valid
 
   kernels::TileOccupancy tiles[2][4];
   int ntiles[2] = {0, 0};
@@ -324,11 +336,10 @@ int Main(int argc, char** argv) {
                   tiles[d][i].ctas_per_sm, tiles[d][i].ctas_per_sm_a100);
   std::printf("median of %d runs (the first row also runs once untimed before); GB/s counts the KV cache once; h_kv 1%s%s\n\n", runs,
               g_tile ? (" ; tile forced to " + std::to_string(g_tile)).c_str() : "",
-              g_fp8_ring           ? "; fp8 rows: raw-row ring"
-              : g_fp8_regs == 1    ? "; fp8 rows: converted in registers (16-row tile)"
+              g_fp8_regs == 1      ? "; fp8 rows: converted in registers (16-row tile)"
               : g_fp8_regs == 0    ? "; fp8 rows: dequantized in place"
                                    : "; fp8 rows: the planner's pipeline (16-row tile: in registers from 16 tiles per split)");
-  if (g_fused) std::printf("2-4 partition plans: merged in the decode kernel (--fused_combine)\n\n");
+  if (g_p_rounding == kernels::PRounding::kOnce) std::printf("bf16 rows: P rounded once (--p_rounding once)\n\n");
   if (g_sequential_pages || g_max_copies < 1024)
     std::printf("pages of a sequence: %s; at most %d copies of the inputs\n\n",
                 g_sequential_pages ? "in pool order (--page_order sequential)" : "shuffled", g_max_copies);
@@ -358,8 +369,8 @@ int Main(int argc, char** argv) {
                                   c.dtype == DType::kBF16, stream));
     }
     // The first row a process times runs ~14% slow on an H100 (bf16 (64,16,4096): 0.131
-    // against 0.114-0.116 ms when timed again in the same process; docs/kernel-tuning.md,
-    // round 34), so the first selected row runs once untimed before it is timed.
+    // against 0.114-0.116 ms when timed again in the same process; 0cf8fcc), so the first
+    // selected row runs once untimed before it is timed.
     if (!warmed) RunConfig(dev, c, runs, pool, kPoolBytes, ws, ws_bytes, stream);
     warmed = true;
     const Result r = RunConfig(dev, c, runs, pool, kPoolBytes, ws, ws_bytes, stream);

@@ -98,6 +98,7 @@ kernels::MlaDecodeParams GroupShape(const ModelConfig& model, const kv::KvCacheC
   p.max_pages_per_seq = width;
   p.softmax_scale = model.softmax_scale;
   p.causal = g.causal;
+  p.p_rounding = model.p_rounding;
   kernels::SetContiguousStrides(&p);  // kv strides follow p.kv_dtype
   return p;
 }

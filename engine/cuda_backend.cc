@@ -139,10 +139,6 @@ class CudaBackend final : public AttentionBackend {
     }
     if (workspace_bytes_ > 0) {
       if (!(st = CudaStatus(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc workspace")).ok()) return st;
-      // Once: the fused split-K merge keeps its arrival counters here and resets them itself.
-      ks = kernels::InitDecodeWorkspace(workspace_, workspace_bytes_, stream_);
-      if (!ks.ok()) return absl::InternalError("InitDecodeWorkspace: " + ks.message);
-      if (!(st = CudaStatus(cudaStreamSynchronize(stream_), "workspace init")).ok()) return st;
     }
 
     // The pool takes what the sizing asks for, from memory left after the buffers above.

@@ -24,6 +24,10 @@ struct ModelConfig {
   int num_heads_kv = 1;
   kernels::DType dtype = kernels::DType::kBF16;
   float softmax_scale = 0.f;  // 0 = 1/sqrt(576)
+  // How the CUDA backend rounds P of a bf16 model for the PV product: split (default,
+  // the tighter contract) or once (faster on compute-bound calls, FlashMLA's accuracy
+  // class); docs/p-rounding.md. fp16 models and the CPU backend (P in fp32) ignore it.
+  kernels::PRounding p_rounding = kernels::PRounding::kSplit;
 };
 
 struct EngineOptions {

@@ -81,20 +81,20 @@ bool Runs64() {
   return d.cc_major == 9 || (d.cc_major == 8 && d.cc_minor == 0);
 }
 
-// FP8 cache pipeline the GPU runs use (DecodePlan::fp8_ring); tests that sweep both set it.
-bool g_fp8_ring = false;
-// FP8 conversion in registers (DecodePlan::fp8_regs): -1 the planner's choice, 0 off, 1 on.
+// FP8 conversion in registers on the 16-row tile (Fp8Pipeline::kRegisters): -1 the
+// planner's choice, 0 in place, 1 in registers.
 int g_fp8_regs = -1;
 // Row tile forced on the planner (0: its choice).
 int g_force_tile = 0;
-// Split-K merge (DecodePlan::fused_combine): 0 alternates call by call, so every sweep
-// runs both the fused merge and the combine kernel; 1 always fused; 2 never.
-int g_fused_mode = 0;
-int g_run_count = 0;
+// The 64-row tile's A100 plan forced where the device runs the SM90 plan (its kernels
+// carry sm_90 machine code for this: kernels/BUILD.bazel, cuda_m64_sm80).
+bool g_force_a100_plan = false;
+// How bf16 P is rounded (PRounding); kOnce is held to POnceTolerance.
+PRounding g_p_rounding = PRounding::kSplit;
 
 // Runs one problem on the GPU. force_kps > 0 overrides the planner's split size.
-// fresh_workspace: poison the workspace and initialise it again; otherwise run on what
-// the previous calls left in it (it must already be large enough).
+// fresh_workspace: poison the workspace; otherwise run on what the previous calls left in
+// it (it must already be large enough).
 void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<float>* lse, DecodePlan* plan_out,
             bool fresh_workspace = true) {
   Gpu& g = TheGpu();
@@ -116,12 +116,17 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
   CUDA_OK(cudaMemset(p.out, 0xff, pr.out.size() * 2));
   CUDA_OK(cudaMemset(p.lse, 0xff, pr.lse.size() * 4));
 
+  p.p_rounding = g_p_rounding;
   DecodePlan plan;
   Status s = PlanDecode(g.dev, p, pr.seqlens.data(), &plan, g_force_tile);
   ASSERT_TRUE(s.ok()) << s.message;
-  plan.fp8_ring = g_fp8_ring;
-  if (g_fp8_regs >= 0) plan.fp8_regs = g_fp8_regs == 1;
-  plan.fused_combine = g_fused_mode == 1 || (g_fused_mode == 0 && (g_run_count++ % 2) == 0);
+  if (g_fp8_regs >= 0 && plan.tile_rows == 16 && p.kv_dtype == KvDType::kFp8E4M3)
+    plan.fp8_pipeline = g_fp8_regs == 1 ? Fp8Pipeline::kRegisters : Fp8Pipeline::kInPlace;
+  if (g_force_a100_plan && plan.tile_rows == 64) {
+    plan.smem_plan = SmemPlan::kA100;
+    if (p.kv_dtype == KvDType::kFp8E4M3) plan.fp8_pipeline = Fp8Pipeline::kInPlace;
+  }
+  plan.smem_bytes = PlanSmemBytes(p.dtype, p.kv_dtype, plan.tile_rows, plan.fp8_pipeline, plan.smem_plan);
   const size_t planned_ws = DecodeWorkspaceBytes(p, plan);
   EXPECT_LE(planned_ws, MaxDecodeWorkspaceBytes(g.dev, p.batch, p.s_q, p.h_q, p.h_kv));
   if (force_kps > 0) {
@@ -138,8 +143,6 @@ void RunGpu(Problem& pr, int force_kps, std::vector<uint16_t>* out, std::vector<
     ws = g.ws.Get(ws_bytes);
     ASSERT_NE(ws, nullptr);
     CUDA_OK(cudaMemset(ws, 0xff, ws_bytes));  // partitions must write what combine reads
-    s = InitDecodeWorkspace(ws, ws_bytes, nullptr);
-    ASSERT_TRUE(s.ok()) << s.message;
   }
   s = LaunchDecode(p, plan, ws, ws_bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s.message;
@@ -164,9 +167,13 @@ bool Check(const ProblemShape& shape, std::mt19937_64& rng, int force_kps = 0, b
   std::vector<double> ref_out(pr.out.size()), ref_lse(pr.lse.size());
   for (size_t i = 0; i < pr.out.size(); ++i) ref_out[i] = HalfToFloat(shape.dtype, pr.out[i]);
   for (size_t i = 0; i < pr.lse.size(); ++i) ref_lse[i] = pr.lse[i];
-  const auto c = testing::Compare(pr, out, lse, ref_out, ref_lse);
+  const bool once = shape.dtype == DType::kBF16 && g_p_rounding == PRounding::kOnce;
+  const auto c = testing::Compare(pr, out, lse, ref_out, ref_lse,
+                                  once ? testing::POnceTolerance() : testing::Tolerance());
   EXPECT_TRUE(c.ok) << testing::Describe(shape) << " tile=" << plan.tile_rows << " splits=" << plan.num_splits
-                    << " kps=" << plan.keys_per_split << ": " << c.first_failure;
+                    << " kps=" << plan.keys_per_split << " smem_plan=" << SmemPlanName(plan.smem_plan)
+                    << " fp8=" << Fp8PipelineName(plan.fp8_pipeline) << " p=" << PRoundingName(plan.p_rounding)
+                    << ": " << c.first_failure;
   return c.ok;
 }
 
@@ -236,13 +243,13 @@ TEST(GpuDecode, SweepFp16) {
 
 // The compute tile over 64 to 1024 rows per KV head: h_q 64 and 128, s_q 1-8, causal
 // and not, lengths from empty to past a page edge, h_kv 1 and 2, with and without
-// split-K (forced 64-key partitions: the combine kernel; 128: fused up to 2). Once with
+// split-K (forced 64- and 128-key partitions). Once with
 // the planner's tiles; once each with the 16- and 32-row tiles forced on every shape
 // (the 16-row tile, which small calls get, over 2 to 64 row tiles), h_q 32 included;
 // and (where the 64-row tile exists) once with the 64-row tile forced, h_q 32 included:
 // a tile whose second group has no rows, with a 16-bit and with an FP8 cache. Each shape twice: normal data, and keys whose scores
 // keep rising (the softmax's running max moves after the first tile: the 64-row tile's
-// exchange of maxima, round 10).
+// exchange of maxima, afe1fd3).
 TEST(GpuDecode, ComputeTileSweep) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(17);
@@ -282,8 +289,7 @@ TEST(GpuDecode, ComputeTileSweep) {
 
 // A few shapes of the 64-row tile, forced: small enough to run under compute-sanitizer
 // (memcheck, racecheck, synccheck). Covers a tile whose second group has no rows, h_kv
-// 2, causal s_q 2 and 3, an empty sequence, page edges, the fused combine and the
-// combine kernel, rising scores (the exchange of maxima after the first tile), and
+// 2, causal s_q 2 and 3, an empty sequence, page edges, split plans, rising scores (the exchange of maxima after the first tile), and
 // 16-bit and FP8 caches.
 TEST(GpuDecode, Tile64Edges) {
   SKIP_WITHOUT_GPU();
@@ -317,8 +323,7 @@ TEST(GpuDecode, Tile64Edges) {
 // The FP8 cache on every tile (16, 32, 64 rows per KV head) and split configuration:
 // the GPU against the CPU implementation, which dequantizes the same bytes to the same
 // 16-bit values. Random and heavy-tailed data; unowned rows are 0xff (NaN scales).
-void Fp8Sweep(bool ring, int regs) {
-  g_fp8_ring = ring;
+void Fp8Sweep(int regs) {
   g_fp8_regs = regs;
   std::mt19937_64 rng(23);
   const int heads[][2] = {{16, 1}, {32, 1}, {64, 1}, {128, 1}, {16, 2}, {128, 2}};
@@ -357,32 +362,26 @@ void Fp8Sweep(bool ring, int regs) {
     if (!Check(s, rng)) ++failed;
   }
   std::printf("fp8 cache sweep (%s): %d problems, %d failed\n",
-              ring ? "raw-row ring" : regs == 1 ? "in registers (16-row tile)" : "in place", n, failed);
+              regs == 1 ? "in registers (16-row tile)" : "in place", n, failed);
   EXPECT_EQ(failed, 0);
-  g_fp8_ring = false;
   g_fp8_regs = -1;
 }
 
 TEST(GpuDecode, SweepFp8Cache) {
   SKIP_WITHOUT_GPU();
-  Fp8Sweep(false, 0);
+  Fp8Sweep(0);
 }
 
 // The same with the 16-row tile's conversion in registers (DecodePlan::fp8_regs) on
 // every plan, short partitions included.
 TEST(GpuDecode, SweepFp8CacheRegs) {
   SKIP_WITHOUT_GPU();
-  Fp8Sweep(false, 1);
-}
-
-// The same over the raw-row ring variant (DecodePlan::fp8_ring).
-TEST(GpuDecode, SweepFp8CacheRing) {
-  SKIP_WITHOUT_GPU();
-  Fp8Sweep(true, -1);
+  Fp8Sweep(1);
 }
 
 // A small representative subset (the 16- and 32-row tiles, splits, causal, empty
-// sequences, both FP8 pipelines), sized for compute-sanitizer memcheck and racecheck.
+// sequences, both FP8 pipelines of the 16-row tile), sized for compute-sanitizer memcheck
+// and racecheck.
 TEST(GpuDecode, Subset) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(5);
@@ -396,23 +395,20 @@ TEST(GpuDecode, Subset) {
       s.causal = true;
       s.seqlens = {0, 65, 300};
       Check(s, rng);
-      Check(s, rng, 64);   // forced split-K, 5 partitions: combine kernel
-      Check(s, rng, 128);  // 3 partitions: combine fused into the decode kernel
+      Check(s, rng, 64);   // forced split-K, 5 partitions
+      Check(s, rng, 128);  // 3 partitions
       s.kv_dtype = KvDType::kFp8E4M3;
-      for (int pipe = 0; pipe < 3; ++pipe) {  // in place, raw-row ring, in registers
-        g_fp8_ring = pipe == 1;
-        g_fp8_regs = pipe == 2 ? 1 : 0;
+      for (int regs = 0; regs < 2; ++regs) {  // in place, in registers
+        g_fp8_regs = regs;
         Check(s, rng);
         Check(s, rng, 64);
       }
-      g_fp8_ring = false;
       g_fp8_regs = -1;
     }
 }
 
-// The fused combine leaves its arrival counters at zero, so one workspace initialised
-// once serves call after call: fused plans of both tiles with 2 to 8 partitions, and a
-// combine-kernel plan between them, with no memset or re-initialisation in between.
+// One workspace serves call after call with no memset in between: split plans of both
+// tiles with 2 to 16 partitions, the largest first.
 TEST(GpuDecode, WorkspaceReuse) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(13);
@@ -429,13 +425,8 @@ TEST(GpuDecode, WorkspaceReuse) {
   small.causal = false;
   for (int kps : {64, 128, 256}) Check(small, rng, kps, false);  // 16-row tile, 8 / 4 / 2 partitions
   Check(big, rng, 128, false);                                  // 32-row tiles, 4 partitions
-  Check(big, rng, 32, false);                                   // 16 partitions: combine kernel
-  for (int kps : {64, 64}) Check(small, rng, kps, false);        // the same streams twice
-  g_fused_mode = 1;  // the fused merge's counters over a reused workspace, twice
-  for (int kps : {64, 256, 256}) Check(small, rng, kps, false);
-  g_fused_mode = 2;
-  for (int kps : {256, 256}) Check(small, rng, kps, false);
-  g_fused_mode = 0;
+  Check(big, rng, 32, false);                                   // 16 partitions
+  for (int kps : {64, 64, 256, 256}) Check(small, rng, kps, false);  // the same streams twice
 }
 
 // Calls queued back to back on one stream, with no synchronisation between them, two
@@ -443,8 +434,7 @@ TEST(GpuDecode, WorkspaceReuse) {
 // own call's partials, never what the previous call left there (a combine launched as
 // a programmatic dependent without its griddepcontrol.wait did, now and then: wrong
 // column chunks in a few rows). Every call's result must equal, bit for bit, the same
-// problem's first result, which must match the CPU implementation. Both merges: the
-// combine kernel and the fused one (arrival counters reused call after call).
+// problem's first result, which must match the CPU implementation.
 TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
   SKIP_WITHOUT_GPU();
   Gpu& g = TheGpu();
@@ -460,7 +450,7 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     DecodePlan plan;
     std::vector<void*> bufs;
   };
-  auto make = [&](bool fused, Dev* d) {
+  auto make = [&](Dev* d) {
     ProblemShape s;
     s.batch = 64;
     s.h_q = 16;
@@ -482,12 +472,11 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     ASSERT_TRUE(d->p.q && d->p.kv && d->p.block_table && d->p.seqlens) << "cudaMalloc failed";
     Status st = PlanDecode(g.dev, d->p, d->pr.seqlens.data(), &d->plan);
     ASSERT_TRUE(st.ok()) << st.message;
-    d->plan.fused_combine = fused;
   };
-  for (bool fused : {false, true}) {
+  {
     Dev a, b;
-    make(fused, &a);
-    make(fused, &b);
+    make(&a);
+    make(&b);
     if (HasFatalFailure()) return;
     ASSERT_GT(a.plan.num_splits, 1) << "the test needs split plans";
     const size_t out_bytes = a.pr.out.size() * 2, lse_bytes = a.pr.lse.size() * 4;
@@ -498,8 +487,7 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
     ASSERT_NE(ws, nullptr);
     CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&outs), 2 * kRound * slot));
     CUDA_OK(cudaMemset(ws, 0xff, ws_bytes));
-    Status st = InitDecodeWorkspace(ws, ws_bytes, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message;
+    Status st;
     std::vector<char> first(2 * slot), host(2 * kRound * slot);
     long differ = 0, compared = 0;
     // Rounds of 2 x kRound calls with no synchronisation inside a round; each round's
@@ -545,9 +533,9 @@ TEST(GpuDecode, BackToBackCallsReadOnlyTheirOwnPartials) {
       CUDA_OK(cudaStreamDestroy(side));
       CUDA_OK(cudaFree(scratch));
     }
-    std::printf("%s merge: %ld of %ld calls differ from their problem's first result (splits %d)\n",
-                fused ? "fused" : "kernel", differ, compared, a.plan.num_splits);
-    EXPECT_EQ(differ, 0) << (fused ? "fused merge" : "combine kernel");
+    std::printf("%ld of %ld calls differ from their problem's first result (splits %d)\n", differ, compared,
+                a.plan.num_splits);
+    EXPECT_EQ(differ, 0);
     std::memcpy(host.data(), first.data(), 2 * slot);
     for (int k = 0; k < 2; ++k) {  // the first results against the CPU implementation
       Dev& d = k ? b : a;
@@ -610,6 +598,9 @@ TEST(GpuDecode, ManySplits) {
   Check(s, rng, 32);  // the smallest partition the planner makes: one 32-key tile
 }
 
+// The planner's rules are checked on the CPU (kernels/planner_test.cc); here, on this
+// GPU: QueryDevice's description, the planner's choices against it, and the launch's
+// errors.
 TEST(GpuDecode, PlannerAndErrors) {
   SKIP_WITHOUT_GPU();
   Gpu& g = TheGpu();
@@ -623,76 +614,24 @@ TEST(GpuDecode, PlannerAndErrors) {
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, 16);
   EXPECT_GE(plan.ctas_per_sm, 2);
-  // One wave at most: partitions x sequences fit the resident CTA slots.
   EXPECT_LE(plan.num_splits * 64, plan.ctas_per_sm * g.dev.sm_count);
   p.h_q = 128;
   ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
   EXPECT_EQ(plan.tile_rows, Runs64() ? 64 : 32);
-  EXPECT_EQ(plan.row_tiles, Runs64() ? 2 : 4);
-  shape.batch = 1;  // small calls (up to 2^21 query-row keys in all): the 16-row tile
-  p.batch = 1;
-  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, 16);
-  EXPECT_EQ(plan.row_tiles, 8);
-  p.batch = 4;  // 512 rows x 4096 keys: still small
-  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, 16);
-  p.batch = 5;  // 640 rows x 4096 keys: the compute tile where there is one
-  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, Runs64() ? 64 : 32);
-  p.batch = 64;
-  p.h_q = 32;  // 32 rows per KV head: two 16-row tiles, never the 32-row tile
-  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan).ok());
-  EXPECT_EQ(plan.tile_rows, 16);
-  EXPECT_EQ(plan.row_tiles, 2);
-  p.h_q = 128;
-  ASSERT_TRUE(PlanDecode(g.dev, p, pr.seqlens.data(), &plan, 32).ok());  // forced
-  EXPECT_EQ(plan.tile_rows, 32);
-  EXPECT_EQ(plan.row_tiles, 4);
-  EXPECT_EQ(PlanDecode(g.dev, p, pr.seqlens.data(), &plan, 48).code, Code::kInvalidArgument);
-
-  // One long sequence (planning only: nothing is launched). Where the full wave would cut
-  // a 16-bit cache into partitions under 512 keys on a tile with 2+ CTAs per SM, the
-  // planner fills half the slots with partitions of at most 512 keys; an FP8 cache keeps
-  // the full wave (docs/kernel-tuning.md, round 32).
-  {
-    MlaDecodeParams one = pr.Params();
-    one.batch = 1;
-    one.max_pages_per_seq = 65536 / 64;
-    const int32_t len[1] = {65536};
-    DecodePlan plan16, plan8;
-    SetContiguousStrides(&one);
-    ASSERT_TRUE(PlanDecode(g.dev, one, len, &plan16).ok());
-    one.kv_dtype = KvDType::kFp8E4M3;
-    SetContiguousStrides(&one);
-    ASSERT_TRUE(PlanDecode(g.dev, one, len, &plan8).ok());
-    EXPECT_EQ(plan16.tile_rows, 16);
-    EXPECT_EQ(plan8.tile_rows, 16);
-    EXPECT_EQ(plan8.ctas_per_sm, plan16.ctas_per_sm);  // the 16-bit tile's occupancy, for both
-    const int slots = plan16.ctas_per_sm * g.dev.sm_count;
-    EXPECT_LE(plan8.num_splits, slots);
-    if (plan16.ctas_per_sm >= 2 && plan8.keys_per_split < 512 && (65536 + slots / 2 - 1) / (slots / 2) <= 512) {
-      EXPECT_LT(plan16.num_splits, plan8.num_splits);
-      EXPECT_LE(plan16.keys_per_split, 512);
-      EXPECT_LE(plan16.num_splits, slots / 2);
-    } else {
-      EXPECT_EQ(plan16.num_splits, plan8.num_splits);
-    }
-    std::printf("one 65536-key sequence: 16-bit cache %d x %d, fp8 cache %d x %d (%d CTA slots)\n",
-                plan16.num_splits, plan16.keys_per_split, plan8.num_splits, plan8.keys_per_split, slots);
+  if (Runs64()) {
+    EXPECT_EQ(plan.smem_plan, g.dev.cc_major == 9 ? SmemPlan::kSm90 : SmemPlan::kA100);
   }
 
   // Errors come back as Status.
   MlaDecodeParams bad = pr.Params();
-  bad.h_q = 24;
-  bad.h_kv = 5;
-  EXPECT_EQ(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).code, Code::kInvalidArgument);
-  bad = pr.Params();
   ASSERT_TRUE(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).ok());
   plan.num_splits = 4;
   plan.keys_per_split = 1024;
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kWorkspaceTooSmall);
   plan.keys_per_split = 100;  // not whole KV tiles
+  EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kInvalidArgument);
+  ASSERT_TRUE(PlanDecode(g.dev, bad, pr.seqlens.data(), &plan).ok());
+  plan.fp8_pipeline = Fp8Pipeline::kRegisters;  // a 16-bit cache
   EXPECT_EQ(LaunchDecode(bad, plan, nullptr, 0, nullptr).code, Code::kInvalidArgument);
 
   TileOccupancy tiles[4];
@@ -704,13 +643,95 @@ TEST(GpuDecode, PlannerAndErrors) {
       std::printf("%s tile %d rows: %d regs, %d B smem, %d CTAs/SM here, %d on A100\n", DTypeName(dt),
                   tiles[i].tile_rows, tiles[i].regs_per_thread, tiles[i].smem_bytes, tiles[i].ctas_per_sm,
                   tiles[i].ctas_per_sm_a100);
-      // The 64-row compute tile runs one CTA of 8 warps per SM, on A100 too (its sm_80
+      // The 64-row compute tile runs one CTA of 8 warps per SM, on A100 too (its A100
       // plan fits 163 KB); the others two of 4.
       const int want = tiles[i].tile_rows == 64 ? 1 : 2;
       EXPECT_GE(tiles[i].ctas_per_sm, want);
       EXPECT_GE(tiles[i].ctas_per_sm_a100, want);
     }
   }
+}
+
+// The 64-row tile's A100 plans (16-bit and FP8 caches) on an SM90 part, whose planner
+// picks the SM90 plans: forced, over the compute tile's edge cases.
+TEST(GpuDecode, Tile64A100PlanOnSm90) {
+  SKIP_WITHOUT_GPU();
+  if (TheGpu().dev.cc_major != 9) GTEST_SKIP() << "A100s run the A100 plan by default (ComputeTileSweep)";
+  std::mt19937_64 rng(29);
+  g_force_tile = 64;
+  g_force_a100_plan = true;
+  int n = 0, failed = 0;
+  for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
+    for (DType dt : {DType::kBF16, DType::kFP16})
+      for (int hq : {32, 128})
+        for (int s_q : {1, 2})
+          for (bool rising : {false, true}) {
+            ProblemShape s;
+            s.dtype = dt;
+            s.kv_dtype = kv;
+            s.batch = 3;
+            s.h_q = hq;
+            s.s_q = s_q;
+            s.causal = s_q > 1;
+            s.rising_keys = rising;
+            s.seqlens = {0, 64 + s_q, 300};
+            for (int kps : {0, 64}) {
+              ++n;
+              if (!Check(s, rng, kps)) ++failed;
+            }
+          }
+  g_force_a100_plan = false;
+  g_force_tile = 0;
+  std::printf("64-row tile, A100 plan on SM90: %d problems, %d failed\n", n, failed);
+  EXPECT_EQ(failed, 0);
+}
+
+// bf16 with P rounded once (PRounding::kOnce) against its own, looser tolerance
+// (testing::POnceTolerance, docs/p-rounding.md): every tile (forced too), 16-bit and FP8
+// caches, split plans, causal; random unit-scale data with NaN in every unowned cache row
+// (MakeProblem). Heavy-tailed values are left to the split default, whose contract
+// they are for.
+TEST(GpuDecode, SweepBf16PRoundedOnce) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(31);
+  g_p_rounding = PRounding::kOnce;
+  std::vector<int> forced = {0, 16, 32};
+  if (Runs64()) forced.push_back(64);
+  int n = 0, failed = 0;
+  for (int tile : forced)
+    for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3})
+      for (bool causal : {false, true})
+        for (int s_q : {1, 2})
+          for (int hq : {16, 64, 128}) {
+            g_force_tile = tile;
+            ProblemShape s;
+            s.dtype = DType::kBF16;
+            s.kv_dtype = kv;
+            s.batch = 4;
+            s.h_q = hq;
+            s.s_q = s_q;
+            s.causal = causal;
+            s.seqlens = Lengths(4, 700, true, rng);
+            for (int kps : {0, 64}) {
+              ++n;
+              if (!Check(s, rng, kps)) ++failed;
+            }
+          }
+  g_force_tile = 0;
+  for (int hq : {16, 128}) {  // the serving shapes
+    for (KvDType kv : {KvDType::kModel, KvDType::kFp8E4M3}) {
+      ProblemShape s;
+      s.kv_dtype = kv;
+      s.batch = 64;
+      s.h_q = hq;
+      s.seqlens = Lengths(64, 4096, false, rng);
+      ++n;
+      if (!Check(s, rng)) ++failed;
+    }
+  }
+  g_p_rounding = PRounding::kSplit;
+  std::printf("bf16 sweep, P rounded once: %d problems, %d failed\n", n, failed);
+  EXPECT_EQ(failed, 0);
 }
 
 }  // namespace

@@ -25,6 +25,16 @@ const char* KvDTypeName(KvDType kv_dtype, DType dtype) {
   return "unknown";
 }
 
+const char* PRoundingName(PRounding rounding) {
+  switch (rounding) {
+    case PRounding::kSplit:
+      return "split";
+    case PRounding::kOnce:
+      return "once";
+  }
+  return "unknown";
+}
+
 void SetContiguousStrides(MlaDecodeParams* p) {
   p->q_head_stride = kHeadDimQK;
   p->q_seq_stride = int64_t{p->h_q} * kHeadDimQK;
@@ -45,6 +55,8 @@ Status ValidateParams(const MlaDecodeParams& p) {
   if (p.dtype != DType::kBF16 && p.dtype != DType::kFP16) return bad("dtype: expected bf16 or fp16");
   if (p.kv_dtype != KvDType::kModel && p.kv_dtype != KvDType::kFp8E4M3)
     return bad("kv_dtype: expected the model dtype or fp8_e4m3");
+  if (p.p_rounding != PRounding::kSplit && p.p_rounding != PRounding::kOnce)
+    return bad("p_rounding: expected split or once");
   if (p.batch < 0) return bad("batch: expected >= 0, got " + std::to_string(p.batch));
   if (p.s_q < 1) return bad("s_q: expected >= 1, got " + std::to_string(p.s_q));
   if (p.h_kv < 1) return bad("h_kv: expected >= 1, got " + std::to_string(p.h_kv));

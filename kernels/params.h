@@ -25,6 +25,17 @@ enum class KvDType : int { kModel = 0, kFp8E4M3 = 1 };
 // "bf16" / "fp16" for kModel (the model dtype's name), "fp8_e4m3".
 const char* KvDTypeName(KvDType kv_dtype, DType dtype);
 
+// How the CUDA kernel rounds the softmax probabilities P of a bf16 model to 16 bits for
+// the PV mma (docs/p-rounding.md). kSplit: a high and a low bf16 part, multiplied
+// twice (~16 significant bits; the default and the tighter accuracy contract). kOnce:
+// one bf16 rounding (8 bits), the accuracy class of FlashMLA and FlashInfer, faster on
+// compute-bound calls. fp16 models round P once to fp16 (11 bits) either way, and the
+// CPU implementation keeps P in fp32 (exact) under both.
+enum class PRounding : int { kSplit = 0, kOnce = 1 };
+
+// "split" / "once".
+const char* PRoundingName(PRounding rounding);
+
 enum class Code : int {
   kOk = 0,
   kInvalidArgument,
@@ -76,6 +87,7 @@ struct MlaDecodeParams {
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   KvDType kv_dtype = KvDType::kModel;  // how kv stores rows (kernels/kv_fp8.h for fp8)
+  PRounding p_rounding = PRounding::kSplit;  // bf16 models on the GPU only (above)
 };
 
 // Fills every stride for densely packed tensors in the layouts above.

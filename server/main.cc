@@ -63,6 +63,10 @@ ABSL_FLAG(int, num_heads_q, 16, "query heads (h_q), a multiple of num_heads_kv")
 ABSL_FLAG(int, num_heads_kv, 1, "latent KV heads (h_kv)");
 ABSL_FLAG(std::string, dtype, "bf16", "element type of q, kv and out: bf16 or fp16");
 ABSL_FLAG(double, softmax_scale, 0.0, "attention scale; 0 means 1/sqrt(576)");
+ABSL_FLAG(std::string, bf16_p_rounding, "split",
+          "how the CUDA backend rounds a bf16 model's softmax probabilities for the PV product: split (hi + lo "
+          "bf16 parts, the tighter accuracy) or once (one bf16 rounding, faster on compute-bound calls); "
+          "docs/p-rounding.md");
 ABSL_FLAG(std::string, kv_dtype, "auto",
           "how the KV cache stores rows: auto or the model dtype's name (as sent), or fp8_e4m3 (quantized on "
           "append: 656 instead of 1152 bytes per token and KV head; docs/fp8-kv-cache.md)");
@@ -245,6 +249,14 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
     o->kv_dtype = kernels::KvDType::kFp8E4M3;
   } else {
     return absl::StrCat("--kv_dtype: '", kv_dtype, "'; expected auto, ", dtype, " (the model dtype) or fp8_e4m3");
+  }
+  const std::string p_rounding = absl::AsciiStrToLower(absl::GetFlag(FLAGS_bf16_p_rounding));
+  if (p_rounding == "split") {
+    o->model.p_rounding = kernels::PRounding::kSplit;
+  } else if (p_rounding == "once") {
+    o->model.p_rounding = kernels::PRounding::kOnce;
+  } else {
+    return "--bf16_p_rounding: '" + p_rounding + "'; expected split or once";
   }
   o->model.num_layers = absl::GetFlag(FLAGS_num_layers);
   o->model.num_heads_q = absl::GetFlag(FLAGS_num_heads_q);

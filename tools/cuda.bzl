@@ -27,10 +27,6 @@ NVCC_FLAGS = " ".join([
     "-I.",
 ])
 
-# Tuning variants: `--define=LATENTD_NVCC_DEFINES="-DLATENTD_TILE16_KEYS=16 ..."` passes
-# macros of kernels/sm80/config.h to every nvcc run (scripts/build_variants.sh); empty by
-# default (.bazelrc).
-
 def cuda_only():
     """target_compatible_with for targets that need the CUDA toolkit (skipped under nocuda)."""
     return select({
@@ -69,7 +65,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], visibility
             # runs would share /tmp/tmpxft_00000003_* names. A private TMPDIR per action
             # keeps them apart.
             cmd = ("T=$$(mktemp -d) && " +
-                   "{ TMPDIR=$$T %s %s %s %s $(LATENTD_NVCC_DEFINES) -c $(location %s) -o $(location %s) 2> $(location %s); " +
+                   "{ TMPDIR=$$T %s %s %s %s -c $(location %s) -o $(location %s) 2> $(location %s); " +
                    "rc=$$?; rm -rf $$T; " +
                    "if [ $$rc -ne 0 ]; then cat $(location %s) >&2; exit 1; fi; }") % (
                 NVCC,

@@ -48,7 +48,7 @@ __device__ __forceinline__ void Merge(float lp, const float4& o, float& m, float
 // CTA may belong to different sequences, which stop at different points).
 // W = ceil(partitions / kUnroll) puts every partition's load of the first round in
 // flight at once; R fills the CTA to 8 warps where W is small, so a 4-partition plan
-// runs 8 rows per CTA instead of one CTA of 4 warps per row (round 13).
+// runs 8 rows per CTA instead of one CTA of 4 warps per row (906cbdd).
 template <DType kDType>
 __global__ void __launch_bounds__(kMaxCombineWarps * 32) CombineKernel(const CombineArgs args) {
   const MlaDecodeParams& p = args.p;

@@ -1,4 +1,3 @@
-// SM80 MLA decode, fp16, 16-row tile, FP8 KV cache: explicit instantiations, in place and the raw-row ring.
+// SM80 MLA decode, fp16, 16-row tile, FP8 KV cache dequantized in place: explicit instantiation.
 #include "kernels/sm80/kernel.cuh"
-template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 16, latentd::kernels::KvDType::kFp8E4M3>;
-template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 16, latentd::kernels::KvDType::kFp8E4M3, true>;
+template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 16, latentd::kernels::KvDType::kFp8E4M3, false, false, latentd::kernels::PRounding::kSplit>;

@@ -1,3 +1,3 @@
-// SM80 MLA decode, fp16, 64-row tile: explicit instantiation (one nvcc job each).
+// SM80 MLA decode, fp16, 64-row tile, SM90 plan (sm_90 machine code only): explicit instantiation.
 #include "kernels/sm80/kernel.cuh"
-template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 64>;
+template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 64, latentd::kernels::KvDType::kModel, false, false, latentd::kernels::PRounding::kSplit>;

@@ -1,3 +1,3 @@
-// SM80 MLA decode, fp16, 64-row tile, FP8 KV cache: explicit instantiation (in place; no ring).
+// SM80 MLA decode, fp16, 64-row tile, FP8 KV cache dequantized ahead, SM90 plan (sm_90 machine code only): explicit instantiation.
 #include "kernels/sm80/kernel.cuh"
-template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 64, latentd::kernels::KvDType::kFp8E4M3>;
+template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kFP16, 64, latentd::kernels::KvDType::kFp8E4M3, false, false, latentd::kernels::PRounding::kSplit>;

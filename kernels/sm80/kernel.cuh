@@ -28,24 +28,9 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 // 16-byte global -> shared copy, bypassing L1 (KV is streamed once). src_bytes 0 fills
 // the destination with zeros without reading src: keys past the end never touch memory
 // (unowned cache rows hold NaN).
-// LATENTD_CP_ASYNC_L2_PREFETCH (0, 128 or 256): the L2 prefetch size the copies ask for
-// on a miss (docs/kernel-tuning.md, round 17).
-#ifndef LATENTD_CP_ASYNC_L2_PREFETCH  // overridable only to build tuning variants
-#define LATENTD_CP_ASYNC_L2_PREFETCH 0
-#endif
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
-#if LATENTD_CP_ASYNC_L2_PREFETCH == 256
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-#elif LATENTD_CP_ASYNC_L2_PREFETCH == 128
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-#endif
-}
-// Asks L2 for the 128-byte line holding p; nothing lands in shared memory or registers.
-__device__ __forceinline__ void PrefetchL2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 // Barrier `id` (1 + group) over the 128 threads of one group of 4 warps; barrier 0 is
 // __syncthreads.
@@ -205,128 +190,6 @@ __device__ __forceinline__ int SwizzleRow(int row, int chunk) {
   return row * kChunks * 8 + (((chunk & ~7) | ((chunk ^ row) & 7)) << 3);
 }
 
-// Fused split-K combine, run by the last CTA of a stream to finish: out = sum_i w_i o_i
-// over the stream's n partitions for rows [row0, row0 + nrows), with w[i][r] in shared
-// memory. Thread t owns output columns 4t .. 4t+3 of every row (a warp reads 512
-// contiguous bytes of a partial row), and each pass keeps kR rows x kN partitions of
-// 16-byte loads in flight (16 per thread, 32 KB per CTA) so the CTA's L2 reads overlap.
-// With more than 128 threads, each 128 takes every other group of kR rows.
-template <DType kDType, int kRows, int kN, int kR>
-__device__ __forceinline__ void CombineRows(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
-                                            int64_t prow0, const float* w) {
-  static_assert(kR * kN <= 16, "loads in flight per thread: more raise the kernel's register count");
-  static_assert(kThreads * 4 == kHeadDimV, "one float4 of columns per thread of 128");
-  constexpr int kPhases = kCtaThreads<kRows> / kThreads;
-  const MlaDecodeParams& p = args.p;
-  const int tid = threadIdx.x % kThreads, phase = threadIdx.x / kThreads;
-  const int group = p.h_q / p.h_kv, rows_total = p.h_q * p.s_q;
-  const float* src = args.o_part + prow0 * kHeadDimV + tid * 4;
-  for (int r0 = phase * kR; r0 < nrows; r0 += kR * kPhases) {
-    float4 v[kR][kN];
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-#pragma unroll
-      for (int i = 0; i < kN; ++i)
-        v[r][i] = r0 + r < nrows && i < n
-                      ? __ldcg(reinterpret_cast<const float4*>(src + (int64_t(i) * rows_total + r0 + r) * kHeadDimV))
-                      : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (r0 + r >= nrows) break;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        if (i >= n) break;
-        const float c = w[i * kRows + r0 + r];
-        acc.x = fmaf(c, v[r][i].x, acc.x);
-        acc.y = fmaf(c, v[r][i].y, acc.y);
-        acc.z = fmaf(c, v[r][i].z, acc.z);
-        acc.w = fmaf(c, v[r][i].w, acc.w);
-      }
-      const int row = row0 + r0 + r;
-      const int token = row / group, head = kvh * group + row % group;
-      uint16_t* dst = static_cast<uint16_t*>(p.out) + int64_t(b) * p.out_batch_stride +
-                      int64_t(token) * p.out_seq_stride + int64_t(head) * p.out_head_stride + tid * 4;
-      *reinterpret_cast<uint2*>(dst) = make_uint2(Pack2<kDType>(acc.x, acc.y), Pack2<kDType>(acc.z, acc.w));
-    }
-  }
-}
-
-// The whole fused combine of one stream: per row the merged LSE and the partitions'
-// weights exp(lse_i - lse) (into shared memory w), then the weighted sum of the outputs.
-// lse = log(sum_i exp(lse_i)); partitions whose rows saw no keys (lse_i = -inf) weigh 0.
-template <DType kDType, int kRows>
-__device__ __forceinline__ void CombineTile(const DecodeArgs& args, int b, int kvh, int row0, int nrows, int n,
-                                            float* w) {
-  // Fused plans have at most kMaxFusedSplits partitions (FusesCombine).
-  constexpr int kMaxN = kMaxFusedSplits < kMaxFusedPartialRows / kRows ? kMaxFusedSplits : kMaxFusedPartialRows / kRows;
-  static_assert(kMaxN >= 2 && kMaxN * kRows <= kMaxFusedPartialRows, "whole partitions per fused combine");
-  const MlaDecodeParams& p = args.p;
-  const int tid = threadIdx.x;
-  const int group = p.h_q / p.h_kv, rows_kv = group * p.s_q, rows_total = p.h_q * p.s_q;
-  // Partial row of (partition 0, tile row 0); partition i is i * rows_total further.
-  const int64_t prow0 = int64_t(b) * args.num_splits * rows_total + int64_t(kvh) * rows_kv + row0;
-  for (int r = tid; r < nrows; r += kCtaThreads<kRows>) {
-    float lp[kMaxN];
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kMaxN; ++i) {
-      lp[i] = i < n ? __ldcg(args.lse_part + prow0 + int64_t(i) * rows_total + r) : -INFINITY;
-      m = fmaxf(m, lp[i]);
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxN; ++i) {
-      lp[i] = lp[i] == -INFINITY ? 0.f : __expf(lp[i] - m);  // m is finite when any lp[i] is
-      sum += lp[i];
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxN; ++i) w[i * kRows + r] = lp[i] * inv;
-    const int row = row0 + r, token = row / group, head = kvh * group + row % group;
-    p.lse[int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride + token] =
-        sum > 0.f ? m + logf(sum) : -INFINITY;
-  }
-  __syncthreads();
-  if constexpr (kMaxN > 4) {
-    if (n > 4) {
-      CombineRows<kDType, kRows, kMaxN, 16 / kMaxN>(args, b, kvh, row0, nrows, n, prow0, w);
-      return;
-    }
-  }
-  CombineRows<kDType, kRows, 4, 4>(args, b, kvh, row0, nrows, n, prow0, w);
-}
-
-// After a partition CTA has written its partials: the last CTA of the stream to arrive
-// merges them. Each thread's fence makes its partial stores visible device-wide before
-// thread 0 counts the CTA in; atomicInc wraps the counter back to 0 at the last arrival,
-// so it is zero again for the next launch without a memset. Every index is recomputed
-// from blockIdx and args so that nothing stays live across the main loop for this.
-template <DType kDType, int kRows, typename Plan>
-__device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t* smem_raw) {
-  Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
-  const MlaDecodeParams& p = args.p;
-  const int b = blockIdx.z / p.h_kv, kvh = blockIdx.z % p.h_kv;
-  const int n_valid = (p.seqlens[b] + args.keys_per_split - 1) / args.keys_per_split;
-  __threadfence();
-  __syncthreads();  // also: every warp is past the main loop, shared memory is free
-  int* last_flag = reinterpret_cast<int*>(&sm.s_part[0][0][0][0][0][0]);
-  if (threadIdx.x == 0) {
-    const unsigned int arrived =
-        atomicInc(args.counters + int64_t(blockIdx.z) * args.row_tiles + blockIdx.x, unsigned(n_valid - 1));
-    *last_flag = arrived == unsigned(n_valid - 1);
-  }
-  __syncthreads();
-  if (!*last_flag) return;
-  __threadfence();  // order the partial loads after the count that proved them written
-  // Weights go to the start of the KV stages, away from the flag in s_part.
-  static_assert(sizeof(float) * kMaxFusedPartialRows <= sizeof(sm.kv), "combine weights fit the KV stages");
-  const int rows_kv = (p.h_q / p.h_kv) * p.s_q;
-  const int row0 = blockIdx.x * kRows;
-  CombineTile<kDType, kRows>(args, b, kvh, row0, min(rows_kv - row0, kRows), n_valid,
-                             reinterpret_cast<float*>(smem_raw));
-}
-
 }  // namespace detail
 
 // Warps come in groups of 4 (Cfg::kGroups of them): a group owns kRows / kGroups rows
@@ -337,17 +200,13 @@ __device__ __forceinline__ void FusedCombineTail(const DecodeArgs& args, uint8_t
 // (656 bytes each, packed at the stage's end); after the copy lands, the CTA dequantizes
 // them in place, through registers, into the swizzled 16-bit layout the mma loops read.
 // Each value is dequantized once per CTA, and shared memory stays as for a 16-bit cache.
-// The 64-row tile instead lands raw rows in a ring of their own and converts tile t+1
-// during tile t's PV loop (TileConfig::kFp8DequantAhead).
+// The 64-row tile's SM90 plan instead lands raw rows in a ring of their own and converts
+// tile t+1 during tile t's PV loop (TileConfig::kFp8DequantAhead).
 //
-// kRegsPipe (FP8, 16-row tile, chosen by DecodePlan::fp8_regs): the codes are converted in
-// registers straight into the mma fragments (round 23; see kRegs below).
-//
-// kRing (FP8 only, chosen by DecodePlan::fp8_ring): the raw rows stream instead through
-// a ring of Cfg::kFp8Stages stages of their own (Fp8SharedMemoryPlan), each landed tile
-// dequantized straight into one 16-bit tile: more bytes in flight, one sync fewer per
-// tile, more shared memory (docs/kernel-tuning.md, round 8).
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegsPipe, bool kSm80Plan>
+// kRegsPipe (FP8, 16-row tile, DecodePlan::fp8_pipeline == kRegisters): the codes are
+// converted in registers straight into the mma fragments (3a769b8; see kRegs below).
+// kPRounding: how bf16 P is rounded for the PV mma (kernels/params.h, PRounding).
+template <DType kDType, int kRows, KvDType kKv, bool kRegsPipe, bool kSm80Plan, PRounding kPRounding>
 __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
                                                           ? TileConfig<kRows>::kFp8MinCtasPerSm
                                                           : TileConfig<kRows>::kMinCtasPerSm)
@@ -359,13 +218,11 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   using Cfg = TileConfig<kRows>;
-  constexpr bool kFp8Ring = kKv == KvDType::kFp8E4M3 && kRing;
-  // The A100 plan (kSm80Plan, or every plan in a LATENTD_FORCE_SM80_PLANS build) keeps
-  // the 64-row tile within 163 KB (traits.h).
-  constexpr bool kA100Plan = kSm80Plan || kForceSm80Plans;
+  // The A100 plan (kSm80Plan) keeps the 64-row tile within 163 KB (traits.h).
+  constexpr bool kA100Plan = kSm80Plan;
   // FP8, dequantized one tile ahead inside the PV loop (TileConfig::kFp8DequantAhead).
-  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && !kRing && kFp8AheadOf<kRows, kA100Plan>;
-  // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; round 23). Warp w's
+  constexpr bool kFp8Ahead = kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kA100Plan>;
+  // FP8 converted in registers (TileConfig::kFp8Regs, the 16-row tile; 3a769b8). Warp w's
   // QK^T dims are the latent block it owns for PV (128 w .. 128 w + 127) plus rope dims
   // 16 w .. 16 w + 15. A lane's 16-byte load of its key's codes gives four 4-code words;
   // a word's codes (dims d .. d+3) become two 16-bit pairs, (d, d+2) and (d+1, d+3), which
@@ -373,19 +230,20 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // permuted, and Q's A fragments are loaded in the same order. movmatrix transposes each
   // pair register into the V fragment of the PV, whose n8 tiles therefore hold columns
   // d, d+2 (and d+1, d+3): the epilogue writes them back in place.
-  constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRing, kRegsPipe>;
-  using Plan = PlanOf<kRows, kKv, kRing, kRegsPipe, kA100Plan, kDType>;
+  constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRegsPipe>;
+  static_assert(kRegs == kRegsPipe, "conversion in registers: FP8 caches on the 16-row tile only");
+  using Plan = PlanOf<kRows, kKv, kRegsPipe, kA100Plan, kDType>;
   constexpr int kCta = kCtaThreads<kRows>;
   constexpr int kN = Cfg::kKeys;
   // Copies in flight + 1.
-  constexpr int kStages = kFp8Ring ? Cfg::kFp8Stages : kRegs ? Cfg::kFp8RegStages : Cfg::kStages;
+  constexpr int kStages = kRegs ? Cfg::kFp8RegStages : Cfg::kStages;
   // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
   // ahead (tile t+1 must have landed while tile t is computed).
   constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
   // Ping-pong (TileConfig::kPingPong, 16-bit caches): group 1 alone copies the KV tiles
   // and runs up to half a tile behind group 0, the two synchronised by producer/consumer
   // barriers instead of one CTA barrier per tile, so one group's softmax and barriers
-  // overlap the other's mma (docs/kernel-tuning.md, round 12).
+  // overlap the other's mma (be5ae71).
   constexpr bool kPingPong = Cfg::kPingPong && kKv == KvDType::kModel;
   static_assert(!kPingPong || (Cfg::kGroups == 2 && kStages == 2), "ping-pong: two groups, two stages");
   constexpr int kGroupRows = kRows / Cfg::kGroups;
@@ -408,11 +266,11 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // pass (the first half of the keys) relies on.
   constexpr int kRawOffset = kN * (kHeadDimQK * 2 - kFp8RowBytes);
   static_assert(kRawOffset % 16 == 0, "raw rows stay 16-byte aligned");
-  // Items per thread per in-place pass: kFp8InPlacePasses passes on the 16-row tile
-  // (config.h), 2 on the 32-row tile (one pass spills there), kTile64Sm80Fp8Passes on
-  // the 64-row tile (its A100 plan; the SM90 plan dequantizes ahead).
-  constexpr int kInPlacePasses = kRows == 16 ? kFp8InPlacePasses : kRows == 64 ? kTile64Sm80Fp8Passes : 2;
-  // FP8 in place, 16-row tile (kFp8OwnChunks, rounds 20 and 20b): each thread converts
+  // Items per thread per in-place pass: 2 on the 32-row tile (one pass spills there),
+  // kTile64Sm80Fp8Passes on the 64-row tile (its A100 plan; the SM90 plan dequantizes
+  // ahead). The 16-row tile converts its own chunks instead (kOwn).
+  constexpr int kInPlacePasses = kRows == 64 ? kTile64Sm80Fp8Passes : 2;
+  // FP8 in place, 16-row tile (f0bd541, 2ddcd90): each thread converts
   // exactly the raw chunks it copied, so it reads them as soon as its own copies have
   // landed, before the tile's first barrier, which then also orders every read before
   // any write: one barrier per tile fewer. Each of a key's kCta / kN threads copies the
@@ -422,7 +280,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // 1024-1151); its 512 raw latent codes in bytes 512-1023; the scale slots of its four
   // threads in bytes 0-63. The latent values written after the barrier cover bytes
   // 0-1023, raw codes and slots alike, once every thread has read its own.
-  constexpr bool kOwn = kFp8 && !kFp8Ring && !kFp8Ahead && !kRegs && kRows == 16 && kFp8OwnChunks;
+  constexpr bool kOwn = kFp8 && !kFp8Ahead && !kRegs && kRows == 16;
   static_assert(!kRegs || (kRows == 16 && kN == 32 && kCta == 128 && Cfg::kQInRegisters && kHeadDimV == 128 * kWarps &&
                            kFp8BlockValues == 128 && kStages >= 2),
                 "conversion in registers: the 16-row tile, 32-key tiles, one scale block per warp");
@@ -437,7 +295,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   static_assert(!kFp8 || (kDequantItems / kCta - 1) / kFp8InPlacePassItems * kFp8InPlacePassItems * kCta /
                                  (kHeadDimV / 16 + 8) <= kN - 3,
                 "every pass but the last clear of later passes' raw rows");
-  static_assert(!kRing || kFp8, "the raw-row ring is for the FP8 cache");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Plan& sm = *reinterpret_cast<Plan*>(smem_raw);
@@ -453,17 +310,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   const int n_valid = (seqlen + kps - 1) / kps;
   if (split > 0 && split >= n_valid) return;  // nothing here; combine ignores it
   const bool direct = n_valid <= 1;            // the only partition writes out/lse itself
-#if LATENTD_PHASE_TRACE
-  // Per CTA (64-row tile): global time at entry, loop start, loop end and epilogue end.
-  __shared__ unsigned long long cta_time[4];
-  auto stamp = [&](int i) {
-    if (kRows == 64 && tid == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(cta_time[i])::"memory");
-  };
-#else
-  auto stamp = [](int) {};
-#endif
-  stamp(0);
-
   const int group = p.h_q / p.h_kv;
   const int rows_kv = group * p.s_q;  // rows sharing this KV head
   const int row0 = tile * kRows;
@@ -485,7 +331,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // Copies KV tile t (on `page`) into stage s: kN keys x 72 chunks over all threads
   // (with the ping-pong, over group 1's).
   // Each thread copies whole 128-byte-strided runs of one row, so its copies are one
-  // source and one destination address plus constants (round 11: the per-chunk index
+  // source and one destination address plus constants (00df7d8: the per-chunk index
   // math was ~15% of the loop's instructions). A tile never straddles a page, so its
   // keys' page offsets are key0 % 64 + key without wrapping. Keys past cta_end copy
   // nothing (zero fill) from within row 0 of page 0, never from an unowned row.
@@ -499,7 +345,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       const auto* kv8 = static_cast<const uint8_t*>(p.kv);
       uint32_t dst0 = 0;
       if constexpr (kRegs) {
-      } else if constexpr (kFp8Ring || kFp8Ahead) {
+      } else if constexpr (kFp8Ahead) {
         dst0 = SmemAddr(&sm.raw[s][0][0]);
       } else {
         dst0 = SmemAddr(&sm.kv[s][0][0]) + kRawOffset;
@@ -570,23 +416,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
 #pragma unroll
         for (int j = 0; j < kHeadDimQK / 64; ++j) CpAsync16(dst + j * 128, src + j * 64, valid);
       }
-    }
-  };
-
-  // Pulls KV tile t's rows into L2 ahead of their copy (LATENTD_L2_PREFETCH_TILES tiles
-  // past the copies in flight), so that copy's latency is an L2 hit's: deeper staging
-  // without shared memory. Keys past cta_end are never touched (unowned rows).
-  auto prefetch_tile = [&](int t, int page) {
-    constexpr int kRowBytes = kFp8 ? kFp8RowBytes : kHeadDimQK * 2;
-    constexpr int kLines = (kRowBytes + 127) / 128;
-    const int key0 = key_begin + t * kN;
-    const auto* base = static_cast<const uint8_t*>(p.kv) +
-                       (int64_t(page) * p.kv_page_stride + kv_head_off) * (kFp8 ? 1 : 2);
-    const int64_t row_bytes = p.kv_row_stride * (kFp8 ? 1 : 2);
-    for (int id = tid; id < kN * kLines; id += kCta) {
-      const int key = id / kLines, line = id % kLines;
-      if (key0 + key >= cta_end) break;
-      PrefetchL2(base + ((key0 + key) % kPageSize) * row_bytes + min(line * 128, kRowBytes - 1));
     }
   };
 
@@ -735,9 +564,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
   // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
-  // ~2^-9 |v|, beyond the oracle's tolerance, so bf16 P is split into a high and a low
-  // bf16 part and multiplied twice (fp16's 11 bits need no split).
-  constexpr bool kSplitP = kDType == DType::kBF16 && kBf16PSplit;
+  // ~2^-9 |v|, beyond the split contract's tolerance, so by default (PRounding::kSplit)
+  // bf16 P is split into a high and a low bf16 part and multiplied twice; kOnce rounds
+  // it once (docs/p-rounding.md). fp16's 11 bits need no split.
+  constexpr bool kSplitP = kDType == DType::kBF16 && kPRounding == PRounding::kSplit;
   // O[:, my 128 columns] += P[:, keys 16 kk .. 16 kk + 15] V[those keys, my columns],
   // P as A fragments (pa, and pl its low part for bf16).
   // Converted in registers (kRegs): the tile's V fragments, [8-key block][half of the
@@ -793,24 +623,10 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
   // copies of the tile have landed; group 0 waits) and EMPTY (group 0 arrives when done
   // with the tile; group 1 waits before copying tile t+2 into its stage).
   constexpr int kFullBar = 3, kEmptyBar = 5;
-#if LATENTD_PHASE_TRACE
-  constexpr int kTraceT0 = 16, kTraceTiles = 4;
-  __shared__ uint32_t trace[kCta / 32][kTraceTiles][8];
-  const bool tracing = (kRows == 64 || kRows == 16) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
-  auto mark = [&](int t, int point) {
-    if (tracing && lane == 0 && t >= kTraceT0 && t < kTraceT0 + kTraceTiles)
-      trace[tid >> 5][t - kTraceT0][point] = static_cast<uint32_t>(clock());
-  };
-#else
-  auto mark = [](int, int) {};
-#endif
   uint4 own_raw[kOwn ? kOwnItems : 1], own_scales;  // kOwn: this thread's raw chunks of the tile
-  stamp(1);
   for (int t = 0; t < num_tiles; ++t) {
-    mark(t, 0);
     if constexpr (kPingPong) {
       if (grp == 0 && t > 0) BarSync(kFullBar + (t & 1), kCta);
-      mark(t, 1);
     } else {
       // Dequantizing ahead: tile t+1's raw rows must have landed (they are converted during
       // this tile); otherwise tile t's.
@@ -829,42 +645,13 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       if (t + kAhead < num_tiles) load_tile(t + kAhead, (t + kAhead) % kStages, next_page);
       CpAsyncCommit();
       if (t + kAhead + 1 < num_tiles) next_page = page_of(t + kAhead + 1);
-      mark(t, 1);
     }
     // On the last tile the conversion runs on whatever raw stage (t+1) % 2 holds, into a
     // stage nobody reads again: it keeps the PV loop free of a branch.
     ahead_stage = (t + 1) % kStages;
-    // Only the memory-bound 16-row tile; the compute tiles have no registers to spare.
-    if constexpr (kRows == 16 && kL2PrefetchTiles > 0) {
-      const int tp = t + kStages - 1 + kL2PrefetchTiles;
-      if (tp < num_tiles) prefetch_tile(tp, page_of(tp));
-    }
     const int stage = t % kStages;
-    const uint32_t kv_base = SmemAddr(&sm.kv[kFp8Ring ? 0 : stage][0][0]);
-    if constexpr (kFp8Ring) {
-      // Dequantize raw stage `stage` into the 16-bit tile: every warp is past the tile
-      // before (the sync above), and the tile is complete for all after the sync below.
-      constexpr int kItemsPerRow = kHeadDimV / 16 + 8;
-      const uint8_t* raw_rows = &sm.raw[stage][0][0];
-      uint16_t* tile_elems = &sm.kv[0][0][0];
-#pragma unroll 1
-      for (int i = 0; i < kDequantItems / kCta; ++i) {
-        const int id = tid + i * kCta, key = id / kItemsPerRow, c = id % kItemsPerRow;
-        const uint8_t* row = raw_rows + key * kFp8RowBytes;
-        if (c < 32) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
-          const uint32_t scale_bits = *reinterpret_cast<const uint32_t*>(row + kFp8ScaleOffset + (c / 8) * 4);
-          uint4 lo, hi;
-          DequantChunk<kDType>(raw, Fp8ScalePair<kDType>(scale_bits), lo, hi);
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c)) = lo;
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, 2 * c + 1)) = hi;
-        } else {
-          *reinterpret_cast<uint4*>(tile_elems + Swizzle(key, kHeadDimV / 8 + c - 32)) =
-              *reinterpret_cast<const uint4*>(row + kFp8RopeOffset + (c - 32) * 16);
-        }
-      }
-      __syncthreads();
-    } else if constexpr (kOwn) {
+    const uint32_t kv_base = SmemAddr(&sm.kv[stage][0][0]);
+    if constexpr (kOwn) {
       // This thread's latent chunks c + 4 i of row key (scale block i / 2); the rope
       // values landed in place.
       uint16_t* tile_elems = &sm.kv[stage][0][0];
@@ -932,7 +719,7 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       // in place (DequantChunk), then its rope k-step by ldmatrix.
       // The raw words of all four blocks are read first; each half H accumulates into
       // its own partial scores (s, s_hi: mma chains of 4, not 8, summed once per tile;
-      // round 25: -1.4% for bf16 on (64,16,4096), fp16 unchanged).
+      // 3f32947: -1.4% for bf16 on (64,16,4096), fp16 unchanged).
       uint32_t sp[kNT];
       uint4 raw[kNT][2];
 #pragma unroll
@@ -1010,7 +797,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         }
       }
     }
-    mark(t, 2);
     if constexpr (kPingPong) {
       // Group 1, its QK of tile t done: tile t+1's copies (its own) have landed; group 0
       // may start it. The group barrier below makes them visible within group 1.
@@ -1018,7 +804,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         CpAsyncWait<0>();
         BarArrive(kFullBar + ((t + 1) & 1), kCta);
       }
-      mark(t, 3);
     }
     if constexpr (Cfg::kCoopReduce) {
       // Cooperative reduction: warp w sums keys 8w .. 8w+7 of the 4 partials (its own
@@ -1055,7 +840,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           x[mt][3] += u.w;
         }
       }
-      mark(t, 4);
       const int key0 = key_begin + t * kN;
       if (key0 + kN > lim_min) {
 #pragma unroll
@@ -1156,7 +940,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         }
         GroupSync(bar);  // the group's P is complete
       }
-      mark(t, 5);
       // Slots: slice c's P at slot [c][c], (kWarps + 1) slots after slice 0's.
       constexpr uint32_t kSlotStride = sizeof(sm.s_part[0][0]) + sizeof(sm.s_part[0][0][0]);
       const uint32_t p_base = kPInSlots ? SmemAddr(&sm.s_part[grp][0][0][0][0][0]) : SmemAddr(p_tile);
@@ -1174,7 +957,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         }
         pv_kstep(kk, pa, pl, kv_base);
       }
-      mark(t, 6);
       if constexpr (kPingPong) {
         // Stage t % 2 is free once both groups are done with tile t: group 1 copies tile
         // t+2 into it.
@@ -1189,7 +971,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
           if (t + 3 < num_tiles) next_page = page_of(t + 3);
         }
       }
-      mark(t, 7);
     } else {
       // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
       // bit-identical scores and run identical softmax arithmetic; a warp's own partial
@@ -1307,15 +1088,6 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
       }
     }
   }
-  stamp(2);
-#if LATENTD_PHASE_TRACE
-  if (tracing && lane == 0)
-    for (int i = 0; i < kTraceTiles; ++i) {
-      const uint32_t* c = trace[tid >> 5][i];
-      printf("trace %d %d %d %u %u %u %u %u %u %u %u %d %d %d\n", int(kDType), tid >> 5, kTraceT0 + i, c[0], c[1], c[2],
-             c[3], c[4], c[5], c[6], c[7], kRows, int(kKv), int(kRegs));
-    }
-#endif
   CpAsyncWait<0>();
 
   // Row sums: a quad of lanes holds a row's keys (of the warp's slice, with the
@@ -1405,32 +1177,21 @@ __global__ void __launch_bounds__(kCtaThreads<kRows>, kKv == KvDType::kFp8E4M3
         if (warp == 0 && (lane & 3) == 0) args.lse_part[prow] = lse;
       }
     }
-
-  stamp(3);
-#if LATENTD_PHASE_TRACE
-  if (kRows == 64 && tid == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    printf("cta %d %d %d %d %u %llu %llu %llu %llu\n", int(kDType), blockIdx.x, blockIdx.y, blockIdx.z, smid,
-           cta_time[0], cta_time[1], cta_time[2], cta_time[3]);
-  }
-#endif
-  if (!direct && args.counters != nullptr) FusedCombineTail<kDType, kRows, Plan>(args, smem_raw);
 }
 
 // Host side of one instantiation.
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
-const void* Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Kernel() {
-  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>);
+template <DType kDType, int kRows, KvDType kKv, bool kRegs, bool kSm80Plan, PRounding kP>
+const void* Decoder<kDType, kRows, kKv, kRegs, kSm80Plan, kP>::Kernel() {
+  return reinterpret_cast<const void*>(&MlaDecodeKernel<kDType, kRows, kKv, kRegs, kSm80Plan, kP>);
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
-int Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::SmemBytes() {
-  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRing, kRegs, kSm80Plan || kForceSm80Plans, kDType>));
+template <DType kDType, int kRows, KvDType kKv, bool kRegs, bool kSm80Plan, PRounding kP>
+int Decoder<kDType, kRows, kKv, kRegs, kSm80Plan, kP>::SmemBytes() {
+  return static_cast<int>(sizeof(PlanOf<kRows, kKv, kRegs, kSm80Plan, kDType>));
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Prepare() {
+template <DType kDType, int kRows, KvDType kKv, bool kRegs, bool kSm80Plan, PRounding kP>
+cudaError_t Decoder<kDType, kRows, kKv, kRegs, kSm80Plan, kP>::Prepare() {
   // One bit per device: the attribute is per device and costs a driver call.
   static std::atomic<uint64_t> done{0};
   int dev = 0;
@@ -1438,19 +1199,19 @@ cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Prepare() {
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>,
+  e = cudaFuncSetAttribute(&MlaDecodeKernel<kDType, kRows, kKv, kRegs, kSm80Plan, kP>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                            SmemBytes());
   if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
 
-template <DType kDType, int kRows, KvDType kKv, bool kRing, bool kRegs, bool kSm80Plan>
-cudaError_t Decoder<kDType, kRows, kKv, kRing, kRegs, kSm80Plan>::Launch(const DecodeArgs& args, cudaStream_t stream) {
+template <DType kDType, int kRows, KvDType kKv, bool kRegs, bool kSm80Plan, PRounding kP>
+cudaError_t Decoder<kDType, kRows, kKv, kRegs, kSm80Plan, kP>::Launch(const DecodeArgs& args, cudaStream_t stream) {
   cudaError_t e = Prepare();
   if (e != cudaSuccess) return e;
   const dim3 grid(args.row_tiles, args.num_splits, args.p.batch * args.p.h_kv);
-  MlaDecodeKernel<kDType, kRows, kKv, kRing, kRegs, kSm80Plan><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
+  MlaDecodeKernel<kDType, kRows, kKv, kRegs, kSm80Plan, kP><<<grid, kCtaThreads<kRows>, SmemBytes(), stream>>>(args);
   return cudaGetLastError();
 }
 

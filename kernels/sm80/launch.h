@@ -16,19 +16,17 @@ struct DecodeArgs {
   int row_tiles = 1;       // grid.x
   float* o_part = nullptr;    // [b, num_splits, h_q * s_q, 512] fp32 partial outputs
   float* lse_part = nullptr;  // [b, num_splits, h_q * s_q] fp32 partial LSEs
-  // Fused combine: arrival counts per (sequence x KV head, row tile), zero between
-  // launches (the last arriver resets its own); null = partials only, the combine
-  // kernel merges them.
-  unsigned int* counters = nullptr;
 };
 
-// Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline, plan) instantiation:
-// explicit instantiations live in kernels/sm80/decode_<dtype>_m<rows>[_fp8kv][_sm80].cu.
-// kRing: the FP8 cache's raw-row ring (DecodePlan::fp8_ring); kRegs: the FP8 cache
-// converted in registers (DecodePlan::fp8_regs, the 16-row tile); kSm80Plan: the 64-row
-// tile's plan for A100-class GPUs, built as sm_80 machine code only (traits.h).
-template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRing = false, bool kRegs = false,
-          bool kSm80Plan = false>
+// Kernel handle of one (dtype, tile, KV cache dtype, FP8 pipeline, plan, P rounding)
+// instantiation: explicit instantiations live in
+// kernels/sm80/decode_<dtype>_m<rows>[_fp8kv[_regs]][_sm80][_p_once].cu.
+// kRegs: the FP8 cache converted in registers (Fp8Pipeline::kRegisters, the 16-row
+// tile); kSm80Plan: the 64-row tile's plan for A100-class GPUs (SmemPlan::kA100, traits.h);
+// kPRounding: how bf16 P is rounded for the PV mma (fp16 instantiations: kSplit only,
+// which for fp16 means one rounding).
+template <DType kDType, int kRows, KvDType kKv = KvDType::kModel, bool kRegs = false, bool kSm80Plan = false,
+          PRounding kPRounding = PRounding::kSplit>
 struct Decoder {
   static const void* Kernel();
   static int SmemBytes();

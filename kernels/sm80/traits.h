@@ -55,7 +55,7 @@ struct SharedMemoryPlan<kRows, true, true, kQRegSteps> {
   // [high, low part (bf16 split)][row][8 keys], written by warp w after its reduction and
   // read by the group's ldmatrix (16-byte rows, 8 rows per 128 bytes: conflict-free).
   // No partial is ever written there, so the next tile's partials cannot overwrite a P
-  // still being read (round 28: 8 KB less, towards A100's 163 KB).
+  // still being read (35ea763: 8 KB less, towards A100's 163 KB).
   float s_part[Cfg::kGroups][kWarps][kWarps][kGroupRows / 16][32][4];
   // Per row, each slice's score maximum of the tile, and (in the epilogue) its sum of P.
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
@@ -77,35 +77,6 @@ struct SharedMemoryPlan<kRows, false, true, kQRegSteps> {
   uint16_t kv[Cfg::kStages][Cfg::kKeys][kHeadDimQK];
   // [group][slice][source warp, skipping the slice's own][m-tile][lane] x 4 floats.
   float s_part[Cfg::kGroups][kWarps][kWarps - 1][kGroupRows / 16][32][4];
-  uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
-  float row_max[Cfg::kGroups][kGroupRows][kWarps];
-  float row_sum[Cfg::kGroups][kGroupRows][kWarps];
-  static constexpr bool kPackedSlices = true;
-  static constexpr bool kPInSlots = false;  // P in its own array, p
-};
-
-// FP8 cache (kernels/kv_fp8.h): raw 656-byte rows stream through a ring of kFp8Stages
-// stages; each lands tile is dequantized once into the one 16-bit tile the mma loops
-// read. Rows are half the bytes, so the ring keeps more tiles (and more bytes) in
-// flight than the 16-bit pipeline in less memory per tile.
-template <int kRows, bool kCoop = TileConfig<kRows>::kCoopReduce>
-struct Fp8SharedMemoryPlan {
-  using Cfg = TileConfig<kRows>;
-  static constexpr int kQChunks = kWarps * (kDimsPerWarp / 16 - Cfg::kQRegSteps) * 2;  // as SharedMemoryPlan
-  uint16_t kv[1][Cfg::kKeys][kHeadDimQK];                   // the dequantized tile, swizzled
-  uint8_t raw[Cfg::kFp8Stages][Cfg::kKeys][kFp8RowBytes];   // raw rows, packed
-  uint16_t q[Cfg::kQInRegisters ? 1 : kRows][Cfg::kQInRegisters ? 8 : kQChunks * 8];
-  float s_part[Cfg::kGroups][kWarps][kRows / Cfg::kGroups / 16][Cfg::kKeys / 8 / Cfg::kExchangePasses][32][4];
-};
-// The same with the cooperative reduction's scratch (Q in registers only).
-template <int kRows>
-struct Fp8SharedMemoryPlan<kRows, true> {
-  using Cfg = TileConfig<kRows>;
-  static constexpr int kGroupRows = kRows / Cfg::kGroups;
-  static_assert(Cfg::kQInRegisters, "the ring with the cooperative reduction keeps Q in registers");
-  uint16_t kv[1][Cfg::kKeys][kHeadDimQK];
-  uint8_t raw[Cfg::kFp8Stages][Cfg::kKeys][kFp8RowBytes];
-  float s_part[Cfg::kGroups][kWarps][kWarps - 1][kGroupRows / 16][32][4];  // as SharedMemoryPlan<k, false, true>
   uint16_t p[Cfg::kGroups][2][kGroupRows][Cfg::kKeys];
   float row_max[Cfg::kGroups][kGroupRows][kWarps];
   float row_sum[Cfg::kGroups][kGroupRows][kWarps];
@@ -152,80 +123,63 @@ struct Fp8RegsSharedMemoryPlan<kRows, true> {
   static constexpr bool kPInSlots = false;  // P in its own array, p
 };
 
-// Builds whose every instantiation takes the A100 plans (kSm80Plan), so that they run,
-// and are checked, on SM90 parts (round 28). Off by default.
-#ifndef LATENTD_FORCE_SM80_PLANS  // overridable only to build tuning variants
-#define LATENTD_FORCE_SM80_PLANS 0
-#endif
-inline constexpr bool kForceSm80Plans = LATENTD_FORCE_SM80_PLANS;
-
-// Q k-steps per warp in registers of one instantiation (round 28). The 64-row tile: its
-// A100 plan (kSm80Plan: the instantiations built as sm_80 machine code) holds 2, so that
-// it fits A100's 163 KB per CTA (162 KB); its SM90 plan, with 227 KB, holds 1 for bf16
-// (170 KB; 2 spill there) and 2 for fp16 (162 KB) with a 16-bit cache, each the fastest
-// measured on an H100, and none with an FP8 cache (its raw-row ring takes the room).
-// Other tiles: their TileConfig's.
-#ifndef LATENTD_TILE64_SM90_BF16_Q_REG_STEPS  // overridable only to build tuning variants
-#define LATENTD_TILE64_SM90_BF16_Q_REG_STEPS 1
-#define LATENTD_TILE64_SM90_FP16_Q_REG_STEPS 2
-#endif
+// Q k-steps per warp in registers of one instantiation (35ea763, 010b870). The 64-row
+// tile: its A100 plan (kSm80Plan: the instantiations built as sm_80 machine code) holds
+// 2, so that it fits A100's 163 KB per CTA (162 KB); its SM90 plan, with 227 KB, holds 1
+// for bf16 (170 KB; 2 spill there) and 2 for fp16 (162 KB) with a 16-bit cache, each the
+// fastest measured on an H100, and none with an FP8 cache (its raw-row ring takes the
+// room). Other tiles: their TileConfig's.
 inline constexpr int kTile64Sm80QRegSteps = 2;
+inline constexpr int kTile64Sm90Bf16QRegSteps = 1;
+inline constexpr int kTile64Sm90Fp16QRegSteps = 2;
 template <int kRows, KvDType kKv, bool kSm80Plan, DType kDType>
 inline constexpr int kQRegStepsOf =
     kRows != 64                ? TileConfig<kRows>::kQRegSteps
     : kSm80Plan                ? kTile64Sm80QRegSteps
     : kKv != KvDType::kModel   ? TileConfig<kRows>::kQRegSteps
-    : kDType == DType::kBF16   ? LATENTD_TILE64_SM90_BF16_Q_REG_STEPS
-                               : LATENTD_TILE64_SM90_FP16_Q_REG_STEPS;
+    : kDType == DType::kBF16   ? kTile64Sm90Bf16QRegSteps
+                               : kTile64Sm90Fp16QRegSteps;
 
 // Whether an FP8 instantiation dequantizes one tile ahead from a raw-row ring of its own
 // (TileConfig::kFp8DequantAhead). Not in the 64-row tile's A100 plan: the ring (41 KB)
 // does not fit A100's 163 KB, so it converts in place, in kTile64Sm80Fp8Passes
-// passes of one chunk per thread (fewer passes spill there; round 28).
+// passes of one chunk per thread (fewer passes spill there; 35ea763).
 template <int kRows, bool kSm80Plan>
 inline constexpr bool kFp8AheadOf = TileConfig<kRows>::kFp8DequantAhead && !(kRows == 64 && kSm80Plan);
 inline constexpr int kTile64Sm80Fp8Passes = 5;
 
 // Whether an instantiation converts FP8 in registers (Decoder's kRegs, TileConfig::kFp8Regs).
-template <int kRows, KvDType kKv, bool kRing, bool kRegs>
-inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && !kRing && kRegs && TileConfig<kRows>::kFp8Regs;
+template <int kRows, KvDType kKv, bool kRegs>
+inline constexpr bool kUsesFp8Regs = kKv == KvDType::kFp8E4M3 && kRegs && TileConfig<kRows>::kFp8Regs;
 
-// The plan of one kernel instantiation: the raw-row ring (kRing), FP8 converted in
-// registers, FP8 dequantized ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan,
-// which FP8 in place shares.
+// The plan of one kernel instantiation: FP8 converted in registers, FP8 dequantized
+// ahead (the 64-row tile's FP8 pipeline), or the 16-bit plan, which FP8 in place shares.
 // kSm80Plan: the 64-row tile's A100 plan (kQRegStepsOf, kFp8AheadOf), else SM90's, which
 // may differ by dtype.
-template <int kRows, KvDType kKv, bool kRing, bool kRegs = false, bool kSm80Plan = false, DType kDType = DType::kBF16>
+template <int kRows, KvDType kKv, bool kRegs = false, bool kSm80Plan = false, DType kDType = DType::kBF16>
 using PlanOf = std::conditional_t<
-    kKv == KvDType::kFp8E4M3 && kRing, Fp8SharedMemoryPlan<kRows>,
-    std::conditional_t<
-        kUsesFp8Regs<kRows, kKv, kRing, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
-        std::conditional_t<kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kSm80Plan>,
-                           Fp8AheadSharedMemoryPlan<kRows>,
-                           SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
-                                            kQRegStepsOf<kRows, kKv, kSm80Plan, kDType>>>>>;
+    kUsesFp8Regs<kRows, kKv, kRegs>, Fp8RegsSharedMemoryPlan<kRows>,
+    std::conditional_t<kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kSm80Plan>, Fp8AheadSharedMemoryPlan<kRows>,
+                       SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
+                                        kQRegStepsOf<kRows, kKv, kSm80Plan, kDType>>>>;
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles, one for the 64-row tile's A100 plan; its SM90 plan must fit SM90's 227 KB per
 // CTA.
 static_assert(2 * (sizeof(SharedMemoryPlan<16>) + 1024) <= 164 * 1024, "16-row tile: 2 CTAs on A100");
 static_assert(2 * (sizeof(SharedMemoryPlan<32>) + 1024) <= 164 * 1024, "32-row tile: 2 CTAs on A100");
-static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kBF16>) + 1024 <= 164 * 1024 &&
-                  sizeof(PlanOf<64, KvDType::kModel, false, false, true, DType::kFP16>) + 1024 <= 164 * 1024 &&
-                  sizeof(PlanOf<64, KvDType::kFp8E4M3, false, false, true, DType::kBF16>) + 1024 <= 164 * 1024,
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, true, DType::kBF16>) + 1024 <= 164 * 1024 &&
+                  sizeof(PlanOf<64, KvDType::kModel, false, true, DType::kFP16>) + 1024 <= 164 * 1024 &&
+                  sizeof(PlanOf<64, KvDType::kFp8E4M3, false, true, DType::kBF16>) + 1024 <= 164 * 1024,
               "64-row tile, A100 plan: 1 CTA on A100, 16-bit and FP8 caches");
-static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kBF16>) <= 227 * 1024 &&
-                  sizeof(PlanOf<64, KvDType::kModel, false, false, false, DType::kFP16>) <= 227 * 1024,
+static_assert(sizeof(PlanOf<64, KvDType::kModel, false, false, DType::kBF16>) <= 227 * 1024 &&
+                  sizeof(PlanOf<64, KvDType::kModel, false, false, DType::kFP16>) <= 227 * 1024,
               "64-row tile, SM90 plan: within SM90's 227 KB per CTA");
-static_assert(sizeof(PlanOf<64, KvDType::kFp8E4M3, false, false, false>) <= 227 * 1024,
+static_assert(sizeof(PlanOf<64, KvDType::kFp8E4M3, false, false>) <= 227 * 1024,
               "fp8 64-row tile, SM90 plan: within SM90's 227 KB per CTA");
-// FP8: 2 CTAs of the 16- and 32-row tiles per SM on SM90 (228 KB per SM, 1 KB reserved
-// per CTA); one on A100, whose 164 KB hold one (docs/fp8-kv-cache.md).
-static_assert(2 * (sizeof(Fp8SharedMemoryPlan<16>) + 1024) <= 228 * 1024, "fp8 16-row tile: 2 CTAs on SM90");
-static_assert(2 * (sizeof(Fp8SharedMemoryPlan<32>) + 1024) <= 228 * 1024, "fp8 32-row tile: 2 CTAs on SM90");
-static_assert(sizeof(Fp8SharedMemoryPlan<16>) + 1024 <= 164 * 1024, "fp8 16-row tile: 1 CTA on A100");
+// FP8 in place shares the 16-bit plan (2 CTAs on A100 above); converted in registers,
+// the 16-row tile keeps 2 CTAs on A100 too.
 static_assert(2 * (sizeof(Fp8RegsSharedMemoryPlan<16>) + 1024) <= 164 * 1024,
               "fp8 16-row tile converted in registers: 2 CTAs on A100");
-static_assert(sizeof(Fp8SharedMemoryPlan<32>) + 1024 <= 164 * 1024, "fp8 32-row tile: 1 CTA on A100");
 
 }  // namespace latentd::kernels::sm80

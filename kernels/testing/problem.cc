@@ -150,13 +150,24 @@ void ReferenceDecode(const Problem& pr, std::vector<double>* out, std::vector<do
   }
 }
 
+Tolerance POnceTolerance() {
+  // P with 8 significant bits: each weight off by up to 2^-9 of itself, so an output
+  // dominated by a few keys moves by up to ~2^-9 sum_j p_j |v_j| (the sweeps run with P rounded once at
+  // eed84a8: first failures against the default bound off by 1.0e-3 in the median, 4.9e-3
+  // at most, on unit-scale random data). 1e-2 absolute keeps twice that margin.
+  Tolerance t;
+  t.abs_out = 1e-2;
+  t.cos_dist = 1e-4;
+  return t;
+}
+
 Comparison Compare(const Problem& pr, const std::vector<uint16_t>& out, const std::vector<float>& lse,
-                   const std::vector<double>& ref_out, const std::vector<double>& ref_lse) {
+                   const std::vector<double>& ref_out, const std::vector<double>& ref_lse, const Tolerance& tol) {
   Comparison c;
   const DType dt = pr.shape.dtype;
   // Output rounding: bf16 carries 8 significant bits, fp16 11.
-  const double rel_tol = 2.0 / 128;
-  const double abs_tol = 8e-4;
+  const double rel_tol = tol.rel_out;
+  const double abs_tol = tol.abs_out;
   double dot = 0, nx = 0, ny = 0;
   for (size_t e = 0; e < ref_out.size(); ++e) {
     const double x = HalfToFloat(dt, out[e]);
@@ -183,8 +194,8 @@ Comparison Compare(const Problem& pr, const std::vector<uint16_t>& out, const st
   }
   if (ny > 0 && nx > 0) c.cos_dist = 1.0 - dot / std::sqrt(nx * ny);
   if (nx != ny && (nx == 0 || ny == 0)) c.cos_dist = 1.0;
-  if (c.cos_dist > 5e-6) {
-    if (c.ok) c.first_failure = "cosine distance " + std::to_string(c.cos_dist) + " > 5e-6";
+  if (c.cos_dist > tol.cos_dist) {
+    if (c.ok) c.first_failure = "cosine distance " + std::to_string(c.cos_dist) + " > " + std::to_string(tol.cos_dist);
     c.ok = false;
   }
   for (size_t e = 0; e < ref_lse.size(); ++e) {

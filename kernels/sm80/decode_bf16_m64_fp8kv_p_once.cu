@@ -1,0 +1,3 @@
+// SM80 MLA decode, bf16, 64-row tile, FP8 KV cache dequantized ahead, SM90 plan (sm_90 machine code only), P rounded once: explicit instantiation.
+#include "kernels/sm80/kernel.cuh"
+template struct latentd::kernels::sm80::Decoder<latentd::kernels::DType::kBF16, 64, latentd::kernels::KvDType::kFp8E4M3, false, false, latentd::kernels::PRounding::kOnce>;
