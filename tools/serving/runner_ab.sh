@@ -2,7 +2,7 @@
 # A/B of daemon builds under the model-runner benchmark on a GPU host: for each daemon
 # binary named (in the bundle, in the order given), starts it with the CUDA backend at
 # each h_q, runs //tools/serving:runner_bench for each case, and stops it. Built here and
-# carried with ../shared/tools/bundle.sh.
+# carried with tools/bundle.sh.
 #   tools/serving/runner_ab.sh BUNDLE DAEMON [DAEMON...]
 # Environment: HQ (default "16"), CASES (default "4:64:ring 1:64:ring"; R:B:mode with
 # mode ring, shm, cuda (a CUDA region), cudaring (a CUDA region with its ring) or bytes), TOKENS (default 30), DAEMON_FLAGS (extra daemon flags).

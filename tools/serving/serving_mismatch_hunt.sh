@@ -3,7 +3,7 @@
 # mismatch of stop 24 reproduced"): fresh daemons on a NaN-poisoned pool, each run twice
 # with 4 runners x 64 steps per message at --max_batch_size=256, every 4th result checked
 # and each mismatch diagnosed (Reference::Diagnose: which row or page would explain it),
-# varied one factor at a time. Built here, carried with ../shared/tools/bundle.sh.
+# varied one factor at a time. Built here, carried with tools/bundle.sh.
 #   tools/serving/serving_mismatch_hunt.sh BUNDLE [CASE...]   (cases: ring eager shared shm grpc mb64 ab; all but ab by default)
 #   tools/serving/serving_mismatch_hunt.sh BUNDLE initcheck|memcheck
 # "ab" alternates this build's daemon with latentd_c80, the same daemon built with the

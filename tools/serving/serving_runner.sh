@@ -3,7 +3,7 @@
 # with the CUDA backend at h_q 16 and 128 (4 layers), runs //tools/serving:runner_bench
 # (R runners x B steps per message x 4 layers, 4096-token prefixes; gRPC bytes, and the
 # shared region where the daemon has it), the Python runner and the loadgen, and prints
-# every result. Built here and carried with ../shared/tools/bundle.sh (bin/, lib/, run)
+# every result. Built here and carried with tools/bundle.sh (bin/, lib/, run)
 # plus py/ (the latentd_client package) and python_runner.py in the bundle.
 #   tools/serving/serving_runner.sh BUNDLE DAEMON_NAME[:shm][:FLAG=V...] ...
 # Environment: TOKENS (default 50), LOADGEN_S (default 10, 0 = skip), HQ ("16 128").

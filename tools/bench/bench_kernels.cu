@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "bench/bench_kernels.h"
+#include "tools/bench/bench_kernels.h"
 
 namespace latentd::bench {
 namespace {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_kernels.h"
+#include "tools/bench/bench_kernels.h"
 #include "kernels/kv_fp8.h"
 #include "kernels/mla_decode_cuda.h"
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A/B of two builds of the kernel benchmark (//bench:bench) on one GPU: the old and the
+# A/B of two builds of the kernel benchmark (//tools/bench:bench) on one GPU: the old and the
 # new binary alternate, ROUNDS times each (default 3), so that clock or thermal drift
 # shifts both alike; logs go to $OUT (or ./kernel_ab_out), one per run, and the table
 # rows of every run are printed side by side, old first, for a row-by-row comparison.
-#   scripts/kernel_ab.sh OLD_BENCH NEW_BENCH [bench flags...]
-# e.g. scripts/kernel_ab.sh /tmp/bench-old bazel-bin/bench/bench --runs 60
+#   tools/bench/kernel_ab.sh OLD_BENCH NEW_BENCH [bench flags...]
+# e.g. tools/bench/kernel_ab.sh /tmp/bench-old bazel-bin/tools/bench/bench --runs 60
 set -euo pipefail
 [[ $# -ge 2 ]] || { echo "usage: $0 OLD_BENCH NEW_BENCH [bench flags...]" >&2; exit 2; }
 old=$1 new=$2
