@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# Installs the Python client as README.md's "Operating" section says (pip, offline, in a
-# virtual environment over Debian's python3-grpcio/-protobuf/-numpy), then runs the
-# example against a real daemon with that environment's interpreter and no PYTHONPATH.
+# Installs the Python client with the two command lines of README.md's "Python client
+# package" section, as written there (pip, offline, in a virtual environment over Debian's
+# python3-grpcio/-protobuf/-numpy), then runs the example against a real daemon with that
+# environment's interpreter and no PYTHONPATH.
 set -euo pipefail
 root="$TEST_SRCDIR/$TEST_WORKSPACE"
 latentd="$root/$1"
 example="$root/$2"
+readme="$root/$3"
 tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/pypkg.XXXXXX")
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # A writable copy in the checkout's layout: pip builds in place, and setup.py reads
 # ../../proto and ../version.h.
-mkdir -p "$tmp/src/clients/python" "$tmp/src/proto"
+mkdir -p "$tmp/src/clients/python" "$tmp/src/proto" "$tmp/src/server"
 cp -rL "$root/clients/python/setup.py" "$root/clients/python/pyproject.toml" "$root/clients/python/src" \
   "$tmp/src/clients/python/"
 cp -L "$root/server/version.h" "$tmp/src/server/"
 cp -L "$root/proto/latentd.proto" "$root/proto/health.proto" "$tmp/src/proto/"
 
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
-/usr/bin/python3 -m venv --system-site-packages "$tmp/venv"
-(cd "$tmp/src" && "$tmp/venv/bin/python" -m pip install --no-build-isolation --no-deps ./clients/python) \
-  >"$tmp/pip.log" 2>&1 || { cat "$tmp/pip.log" >&2; fail "pip install"; }
+# The indented lines under the README's heading, with the venv in the test's directory.
+commands=$(awk '/^### Python client package/ {on = 1; next} on && /^#/ {exit} on && /^    [^ ]/' "$readme" |
+  sed 's/^    //; s#~/latentd-venv#'"$tmp"'/venv#g')
+[[ $(grep -c . <<<"$commands") -eq 2 ]] || fail "README.md: expected two install lines, got: $commands"
+(cd "$tmp/src" && bash -euo pipefail -c "$commands") >"$tmp/pip.log" 2>&1 ||
+  { cat "$tmp/pip.log" >&2; fail "the README's install commands"; }
 
 unset PYTHONPATH
 cd "$tmp"  # not the source tree: the import must come from the installed package
