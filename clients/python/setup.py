@@ -18,7 +18,7 @@ STUBS = ["latentd_pb2", "latentd_pb2_grpc", "health_pb2", "health_pb2_grpc"]
 
 def read_version():
     # One version for daemon and client: server/version.h's kVersion.
-    with open(os.path.join(HERE, "..", "version.h")) as f:
+    with open(os.path.join(HERE, "..", "..", "server", "version.h")) as f:
         return re.search(r'kVersion\[\] = "([^"]+)"', f.read()).group(1)
 
 

@@ -189,7 +189,7 @@ class MetricsTest(unittest.TestCase):
 
         # Load from many streams (batches of several steps) ...
         out = subprocess.run(
-            [os.path.join(RUNFILES, "server/loadgen"), f"--target={self.daemon.target}", "--sequences=6",
+            [os.path.join(RUNFILES, "tools/serving/loadgen"), f"--target={self.daemon.target}", "--sequences=6",
              "--streams=6", "--prefix_len=100", "--layers=2", "--window=4", "--duration_s=3",
              "--check_fraction=0", "--check_threads=1"],
             capture_output=True, text=True, timeout=60)
