@@ -258,13 +258,10 @@ class DecodeSession:
                 return
             yield item
 
-    def open_region(self, nbytes, ring_entries=0):
-        """Asks the server for a shared region of nbytes and maps it (same host and user
-        as the daemon only). Call before any submit and before results(); the region
-        lives until the stream ends. ring_entries > 0 also puts a doorbell ring of that
-        many entries at its start (self.ring, a DoorbellRing; tensors go after
-        ring.nbytes): steps then go through shared memory with no message per step."""
-        self._requests.put(latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries))
+    def _region_answer(self, request, nbytes):
+        """Sends a request that opens the stream's region and returns the server's answer,
+        the stream's first response (it must name a region of nbytes)."""
+        self._requests.put(request)
         try:
             resp = next(self._responses)
         except StopIteration:
@@ -273,6 +270,16 @@ class DecodeSession:
             raise LatentdError(e.code(), e.details()) from None
         if resp.region.bytes != nbytes:
             raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        return resp
+
+    def open_region(self, nbytes, ring_entries=0):
+        """Asks the server for a shared region of nbytes and maps it (same host and user
+        as the daemon only). Call before any submit and before results(); the region
+        lives until the stream ends. ring_entries > 0 also puts a doorbell ring of that
+        many entries at its start (self.ring, a DoorbellRing; tensors go after
+        ring.nbytes): steps then go through shared memory with no message per step."""
+        resp = self._region_answer(
+            latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries), nbytes)
         self.region = SharedRegion(resp.region.path, nbytes)
         self.ring = DoorbellRing(self.region, ring_entries) if ring_entries else None
         return self.region
@@ -296,15 +303,8 @@ class DecodeSession:
         start = alloc_offset + (tensor.data_ptr() - storage.data_ptr())
         nbytes = tensor.numel() * tensor.element_size()
         region = latentd_pb2.CudaRegion(ipc_handle=handle, offset=start, bytes=nbytes)
-        self._requests.put(latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries))
-        try:
-            resp = next(self._responses)
-        except StopIteration:
-            raise LatentdError(grpc.StatusCode.UNAVAILABLE, "stream ended before the region's answer") from None
-        except grpc.RpcError as e:
-            raise LatentdError(e.code(), e.details()) from None
-        if resp.region.bytes != nbytes:
-            raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        resp = self._region_answer(
+            latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries), nbytes)
         self.region = tensor
         if ring_entries:
             if resp.region.ring_bytes != ring_bytes(ring_entries) or not resp.region.path:
