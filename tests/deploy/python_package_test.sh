@@ -12,7 +12,7 @@ tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/pypkg.XXXXXX")
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # A writable copy in the checkout's layout: pip builds in place, and setup.py reads
-# ../../proto and ../version.h.
+# ../../proto and ../../server/version.h.
 mkdir -p "$tmp/src/clients/python" "$tmp/src/proto" "$tmp/src/server"
 cp -rL "$root/clients/python/setup.py" "$root/clients/python/pyproject.toml" "$root/clients/python/src" \
   "$tmp/src/clients/python/"

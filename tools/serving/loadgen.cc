@@ -9,7 +9,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <deque>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -23,13 +22,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "clients/cpp/client.h"
 #include "clients/cpp/reference.h"
 #include "server/lock_order.h"
+#include "tools/serving/result_checker.h"
 #include "tools/serving/round_trip.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
@@ -64,6 +63,7 @@ namespace latentd::loadgen {
 namespace {
 
 using client::Client;
+using tools::ResultChecker;
 using Clock = std::chrono::steady_clock;
 
 struct Pending {
@@ -76,95 +76,12 @@ struct Pending {
 };
 
 struct Totals {
-  std::atomic<uint64_t> ok{0}, failed{0}, checked{0}, mismatched{0}, unchecked{0};
+  std::atomic<uint64_t> ok{0}, failed{0};
   std::mutex mu;
   std::vector<float> latency_us;  // merged at the end
   std::map<int, uint64_t> failures_by_code;
   std::string first_failure;
   latentd::tools::RoundTripBreakdown breakdown;  // traced steps, merged at the end
-};
-
-// Sampled results are checked on their own thread so that a check (milliseconds of
-// CPU attention) never delays reading, and so the latency of, the next result.
-class Checker {
- public:
-  struct Item {
-    int seq, layer, q_index;
-    int64_t end;
-    v1::StepResult result;
-  };
-  Checker(client::Reference* ref, const std::vector<std::string>* ids, const std::vector<std::string>* q_pool,
-          int s_q, bool causal, Totals* totals)
-      : ref_(ref), ids_(ids), q_pool_(q_pool), s_q_(s_q), causal_(causal), totals_(totals) {
-    thread_ = std::thread([this] { Loop(); });
-  }
-  ~Checker() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  // Drops the item (counted as unchecked) when the checker is far behind.
-  void Push(Item item) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (queue_.size() >= 256) {
-        ++totals_->unchecked;
-        return;
-      }
-      queue_.push_back(std::move(item));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and nothing left
-        item = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const std::string& id = (*ids_)[item.seq];
-      absl::Status st = ref_->Check(id, item.layer, item.end, (*q_pool_)[item.q_index], s_q_, causal_, item.result);
-      ++totals_->checked;
-      if (!st.ok()) {
-        ++totals_->mismatched;
-        bool first = false;
-        {
-          std::lock_guard<std::mutex> l(totals_->mu);
-          if (totals_->first_failure.empty()) {
-            totals_->first_failure = id + ": " + st.ToString();
-            first = true;
-          }
-        }
-        if (first && absl::IsDataLoss(st)) {  // a wrong result: what would explain it
-          auto d = ref_->Diagnose(id, item.layer, item.end, (*q_pool_)[item.q_index], s_q_, causal_,
-                                  item.result.out());
-          std::lock_guard<std::mutex> l(totals_->mu);
-          absl::StrAppend(&totals_->first_failure, "\n    ",
-                          d.ok() ? d->ToString(item.end, s_q_) : d.status().ToString());
-        }
-      }
-    }
-  }
-
-  client::Reference* ref_;
-  const std::vector<std::string>* ids_;
-  const std::vector<std::string>* q_pool_;
-  const int s_q_;
-  const bool causal_;
-  Totals* totals_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool stop_ = false;
-  std::thread thread_;
 };
 
 double Percentile(std::vector<float>& v, double p) {
@@ -215,10 +132,15 @@ struct StepMaker {
 
 // A stream's results: latency, trace and checks, as both client APIs record them.
 struct StreamResults {
+  // Where a checked step's sequence id and q are (the maker's), and the checker (null
+  // when nothing is checked).
+  const std::vector<std::string>* ids = nullptr;
+  const std::vector<std::string>* q_pool = nullptr;
+  ResultChecker* checker = nullptr;
   std::vector<float> lat;
   latentd::tools::RoundTripBreakdown traced;
 
-  void Add(const v1::StepResult& r, const Pending& p, Clock::time_point now, Totals* totals, Checker* checker) {
+  void Add(const v1::StepResult& r, const Pending& p, Clock::time_point now, Totals* totals) {
     if (r.code() != 0) {
       ++totals->failed;
       std::lock_guard<std::mutex> l(totals->mu);
@@ -229,7 +151,7 @@ struct StreamResults {
     ++totals->ok;
     lat.push_back(std::chrono::duration<float, std::micro>(now - p.sent).count());
     if (r.has_timing()) traced.Add(p.sent_unix_us, r.timing(), absl::ToUnixMicros(absl::Now()));
-    if (p.q_index >= 0) checker->Push({p.seq, p.layer, p.q_index, p.end, r});
+    if (p.q_index >= 0) checker->Push({(*ids)[p.seq], p.layer, p.end, (*q_pool)[p.q_index], r});
   }
   void MergeInto(Totals* totals) {
     std::lock_guard<std::mutex> l(totals->mu);
@@ -244,8 +166,12 @@ struct StreamResults {
 class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
   CallbackStream(Client* conn, StepMaker maker, int window, bool causal, const std::atomic<bool>* stop,
-                 Totals* totals, Checker* checker)
-      : maker_(std::move(maker)), window_(window), stop_(stop), totals_(totals), checker_(checker) {
+                 Totals* totals, ResultChecker* checker)
+      : maker_(std::move(maker)),
+        window_(window),
+        stop_(stop),
+        totals_(totals),
+        results_{maker_.ids, maker_.q_pool, checker, {}, {}} {
     req_.add_steps()->set_causal(causal);
     conn->Prepare(&ctx_);
     conn->stub()->async()->Decode(&ctx_, this);
@@ -277,7 +203,7 @@ class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v
         if (it == pending_.end()) continue;
         const Pending p = it->second;
         pending_.erase(it);
-        results_.Add(r, p, now, totals_, checker_);
+        results_.Add(r, p, now, totals_);
       }
     }
     TryWrite();
@@ -328,7 +254,6 @@ class CallbackStream final : public grpc::ClientBidiReactor<v1::DecodeRequest, v
   const int window_;
   const std::atomic<bool>* const stop_;
   Totals* const totals_;
-  Checker* const checker_;
   v1::DecodeRequest req_;    // the write in flight (one at a time)
   v1::DecodeResponse resp_;  // the read in flight
   StreamResults results_;    // under mu_
@@ -463,8 +388,14 @@ int Main() {
   }
 
   Totals totals;
-  std::unique_ptr<Checker> checker;
-  if (ref) checker = std::make_unique<Checker>(ref.get(), &ids, &q_pool, s_q, causal, &totals);
+  // A checker far behind drops what is sampled (counted as skipped) rather than queue it.
+  std::unique_ptr<ResultChecker> checker;
+  if (ref) {
+    ResultChecker::Options options;
+    options.max_queue = 256;
+    options.max_described = 1;
+    checker = std::make_unique<ResultChecker>(ResultChecker::AgainstReference(ref.get(), s_q, causal), options);
+  }
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> sent_total{0};
   const absl::Time start = absl::Now();
@@ -498,7 +429,7 @@ int Main() {
       std::mutex mu;
       std::condition_variable cv;
       std::unordered_map<uint64_t, Pending> pending;
-      StreamResults results;
+      StreamResults results{maker.ids, maker.q_pool, checker.get(), {}, {}};
       auto stream = conns[t % conns.size()]->OpenDecodeStream();
       std::thread reader([&] {
         v1::DecodeResponse resp;
@@ -514,7 +445,7 @@ int Main() {
               pending.erase(it);
             }
             cv.notify_one();
-            results.Add(r, p, now, &totals, checker.get());
+            results.Add(r, p, now, &totals);
           }
         }
       });
@@ -548,6 +479,8 @@ int Main() {
     });
   }
 
+  auto checked = [&]() -> uint64_t { return checker ? checker->checked() : 0; };
+  auto mismatched = [&]() -> uint64_t { return checker ? checker->mismatched() : 0; };
   uint64_t last_ok = 0;
   absl::Time last = start;
   while (absl::Now() - start < duration) {
@@ -558,8 +491,8 @@ int Main() {
     std::fprintf(stderr, "%s[%5.1f/%.0f s] %lu steps, %.0f steps/s now, %lu failed, %lu checked (%lu bad)   %s",
                  tty ? "\r" : "", absl::ToDoubleSeconds(now - start), absl::ToDoubleSeconds(duration),
                  static_cast<unsigned long>(ok), (ok - last_ok) / std::max(1e-9, absl::ToDoubleSeconds(now - last)),
-                 static_cast<unsigned long>(totals.failed.load()), static_cast<unsigned long>(totals.checked.load()),
-                 static_cast<unsigned long>(totals.mismatched.load()), tty ? "" : "\n");
+                 static_cast<unsigned long>(totals.failed.load()), static_cast<unsigned long>(checked()),
+                 static_cast<unsigned long>(mismatched()), tty ? "" : "\n");
     last_ok = ok;
     last = now;
   }
@@ -568,7 +501,11 @@ int Main() {
   stop = true;
   for (auto& w : workers) w.join();
   for (auto& r : reactors) r->Wait();
-  checker.reset();  // finishes the queued checks
+  if (checker) {
+    checker->Flush();  // the queued checks
+    // A failed step or stream is the first problem; else the first mismatch.
+    if (totals.first_failure.empty()) totals.first_failure = checker->failures();
+  }
   if (tty) std::fprintf(stderr, "\n");
 
   if (absl::GetFlag(FLAGS_release)) {
@@ -587,14 +524,14 @@ int Main() {
   totals.breakdown.Print(stdout);
   std::printf("checked %lu steps against the CPU implementation: %lu ok, %lu mismatched (%lu sampled but skipped: "
               "checker behind)\n",
-              static_cast<unsigned long>(totals.checked.load()),
-              static_cast<unsigned long>(totals.checked.load() - totals.mismatched.load()),
-              static_cast<unsigned long>(totals.mismatched.load()), static_cast<unsigned long>(totals.unchecked.load()));
+              static_cast<unsigned long>(checked()), static_cast<unsigned long>(checked() - mismatched()),
+              static_cast<unsigned long>(mismatched()),
+              static_cast<unsigned long>(checker ? checker->skipped() : 0));
   for (const auto& [code, n] : totals.failures_by_code) {
     std::printf("failed with code %d: %lu\n", code, static_cast<unsigned long>(n));
   }
   if (!totals.first_failure.empty()) std::printf("first problem: %s\n", totals.first_failure.c_str());
-  return totals.mismatched.load() == 0 && totals.failed.load() == 0 && totals.ok.load() > 0 ? 0 : 1;
+  return mismatched() == 0 && totals.failed.load() == 0 && totals.ok.load() > 0 ? 0 : 1;
 }
 
 }  // namespace

@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <cstdio>
-#include <deque>
 #include <mutex>
 #include <random>
 #include <string>
@@ -27,6 +26,7 @@
 #include "server/lock_order.h"
 #include "proto/ring.h"
 #include "tools/serving/device_region.h"
+#include "tools/serving/result_checker.h"
 #include "tools/serving/round_trip.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "latentd address");
@@ -66,6 +66,7 @@ namespace latentd::runner_bench {
 namespace {
 
 using client::Client;
+using tools::ResultChecker;
 
 int64_t NowUs() { return absl::ToUnixMicros(absl::Now()); }
 
@@ -97,88 +98,6 @@ class Barrier {
   std::condition_variable cv_;
   int waiting_ = 0;
   uint64_t gen_ = 0;
-};
-
-struct Check {
-  std::string id, q;
-  int layer;
-  int64_t end;
-  v1::StepResult result;
-};
-
-// Checks sampled results off the runners' threads.
-class Checker {
- public:
-  Checker(client::Reference* ref, int s_q, bool causal) : ref_(ref), s_q_(s_q), causal_(causal) {
-    thread_ = std::thread([this] { Loop(); });
-  }
-  ~Checker() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  void Push(Check c) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      queue_.push_back(std::move(c));
-    }
-    cv_.notify_all();
-  }
-  // Waits until every pushed check has run.
-  void Flush() {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return queue_.empty() && !busy_; });
-  }
-  uint64_t checked() const { return checked_; }
-  uint64_t mismatched() const { return mismatched_; }
-  std::string first_failure() {
-    std::lock_guard<std::mutex> l(mu_);
-    return first_failure_;
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      Check c;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        c = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
-      }
-      absl::Status st = ref_->Check(c.id, c.layer, c.end, c.q, s_q_, causal_, c.result);
-      ++checked_;
-      std::lock_guard<std::mutex> l(mu_);
-      if (!st.ok()) {
-        ++mismatched_;
-        if (mismatched_ <= 4) {  // the first four, one per line, each with what would explain it
-          absl::StrAppend(&first_failure_, first_failure_.empty() ? "" : "\n  ", c.id, " layer ", c.layer,
-                          " length ", c.end, ": ", st.ToString());
-          if (absl::IsDataLoss(st)) {
-            auto d = ref_->Diagnose(c.id, c.layer, c.end, c.q, s_q_, causal_, c.result.out());
-            absl::StrAppend(&first_failure_, "\n    ", d.ok() ? d->ToString(c.end, s_q_) : d.status().ToString());
-          }
-        }
-      }
-      busy_ = false;
-      cv_.notify_all();
-    }
-  }
-  client::Reference* ref_;
-  const int s_q_;
-  const bool causal_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Check> queue_;
-  std::string first_failure_;
-  std::atomic<uint64_t> checked_{0}, mismatched_{0};
-  bool stop_ = false, busy_ = false;
-  std::thread thread_;
 };
 
 struct RunnerStats {
@@ -287,7 +206,12 @@ int Main() {
               absl::ToDoubleSeconds(absl::Now() - setup_start));
   std::fflush(stdout);
 
-  Checker checker(&ref, s_q, causal);
+  // Every sampled result is checked (none dropped), and the first four mismatches are
+  // described.
+  ResultChecker::Options check_options;
+  check_options.max_queue = 0;
+  check_options.max_described = 4;
+  ResultChecker checker(ResultChecker::AgainstReference(&ref, s_q, causal), check_options);
   Barrier barrier(R);
   std::vector<RunnerStats> stats(R);
   std::atomic<uint64_t> result_counter{0};
@@ -398,7 +322,7 @@ int Main() {
           t->set_lse_offset(lse_off(b));
         }
       }
-      std::vector<Check> to_check;  // a layer's sampled results, read back after its time is taken
+      std::vector<ResultChecker::Item> to_check;  // a layer's sampled results, read back after its time is taken
       std::vector<int> to_check_slot;
       std::vector<int> appended;  // a layer's steps whose kv row the server appended
       to_check.reserve(static_cast<size_t>(B));
@@ -504,7 +428,7 @@ int Main() {
             if (check_every > 0 && result_counter.fetch_add(1) % check_every == 0) {
               // Read back (in place) after the layer's time is taken: the check is
               // the benchmark's own work, not the round trip's.
-              Check c{ids[r][b], q_pool[q_of[b]], l, length[key], {}};
+              ResultChecker::Item c{ids[r][b], l, length[key], q_pool[q_of[b]], {}};
               if (result != nullptr) c.result = std::move(*result);
               c.result.set_request_id(request_id);
               to_check.push_back(std::move(c));
@@ -545,7 +469,7 @@ int Main() {
           // sequence's rows under the reference's lock, which would hold this thread up.
           for (int b : appended) ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
           for (size_t k = 0; k < to_check.size(); ++k) {
-            Check& c = to_check[k];
+            ResultChecker::Item& c = to_check[k];
             const int b = to_check_slot[k];
             if (device != nullptr) {  // in place, on the device
               c.result.set_out(device->Read(out_off(b), shape.OutBytes(s_q)));
@@ -602,7 +526,7 @@ int Main() {
   std::printf("checked %lu results, mismatched %lu\n", static_cast<unsigned long>(checker.checked()),
               static_cast<unsigned long>(checker.mismatched()));
   if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
-  if (const std::string ff = checker.first_failure(); !ff.empty()) std::printf("first mismatch: %s\n", ff.c_str());
+  if (const std::string ff = checker.failures(); !ff.empty()) std::printf("first mismatch: %s\n", ff.c_str());
   return (failed > 0 || checker.mismatched() > 0) ? 1 : 0;
 }
 

@@ -6,16 +6,14 @@ import mmap
 import os
 import queue
 import threading
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from . import health_pb2, health_pb2_grpc, latentd_pb2, latentd_pb2_grpc
+from ._wire import HEAD_DIM_QK, HEAD_DIM_V, ModelWire, StepOutput, from_wire, to_wire  # noqa: F401
 from .ring import DoorbellRing, ring_bytes
 
-HEAD_DIM_QK = 576
-HEAD_DIM_V = 512
 # Request metadata naming the sequence an RPC is about; a proxy in front of several
 # daemons (deploy/nginx) hashes on it. Set on every sequence RPC.
 ROUTE_HEADER = "x-latentd-route"
@@ -31,25 +29,6 @@ class LatentdError(Exception):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def to_wire(array, dtype):
-    """float array -> raw little-endian bytes in the server dtype (latentd_pb2.BF16 or FP16)."""
-    a = np.ascontiguousarray(array, dtype=np.float32)
-    if dtype == latentd_pb2.FP16:
-        return a.astype("<f2").tobytes()
-    bits = a.view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-    return rounded.astype("<u2").tobytes()
-
-
-def from_wire(data, dtype, shape=None):
-    """Raw bytes in the server dtype -> float32 array (optionally reshaped)."""
-    if dtype == latentd_pb2.FP16:
-        a = np.frombuffer(data, dtype="<f2").astype(np.float32)
-    else:
-        a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    return a.reshape(shape) if shape is not None else a
 
 
 def fp8_kv_roundtrip(kv, dtype):
@@ -104,20 +83,7 @@ def reference_decode(q, kv, softmax_scale, causal=False):
     return out, lse
 
 
-@dataclass
-class StepOutput:
-    request_id: int
-    out: np.ndarray  # [s_q, h_q, 512] float32 (empty when the step failed)
-    lse: np.ndarray  # [h_q, s_q] float32
-    code: int  # google.rpc.Code, 0 = OK
-    message: str
-
-    @property
-    def ok(self):
-        return self.code == 0
-
-
-class LatentdClient:
+class LatentdClient(ModelWire):
     """Connects to a latentd daemon and fetches its ServerInfo (model shape, dtype).
 
     With info= (a ServerInfo read from another daemon of the same model) the client
@@ -170,20 +136,7 @@ class LatentdClient:
     def __exit__(self, *exc):
         self.close()
 
-    # Shapes and wire conversion for this server.
-    @property
-    def h_q(self):
-        return self.info.num_heads_q
-
-    @property
-    def h_kv(self):
-        return self.info.num_heads_kv
-
-    def wire(self, array):
-        return to_wire(array, self.info.dtype)
-
-    def unwire(self, data, shape):
-        return from_wire(data, self.info.dtype, shape)
+    # Shapes and wire conversion for this server: ModelWire (h_q, h_kv, wire, unwire).
 
     def metadata(self, route=None):
         """The call metadata: the bearer token, and the route header when route is set."""
@@ -232,7 +185,7 @@ class LatentdClient:
         def messages():
             first = True
             for layer, rows in rows_by_layer.items():
-                data = rows if isinstance(rows, (bytes, bytearray)) else self.wire(rows)
+                data = self._raw(rows)
                 for start in range(0, max(len(data), 1), chunk):
                     yield latentd_pb2.AppendKvRequest(sequence_id=sequence_id if first else "", layer=layer,
                                                       kv=bytes(data[start:start + chunk]))
@@ -305,13 +258,10 @@ class DecodeSession:
                 return
             yield item
 
-    def open_region(self, nbytes, ring_entries=0):
-        """Asks the server for a shared region of nbytes and maps it (same host and user
-        as the daemon only). Call before any submit and before results(); the region
-        lives until the stream ends. ring_entries > 0 also puts a doorbell ring of that
-        many entries at its start (self.ring, a DoorbellRing; tensors go after
-        ring.nbytes): steps then go through shared memory with no message per step."""
-        self._requests.put(latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries))
+    def _region_answer(self, request, nbytes):
+        """Sends a request that opens the stream's region and returns the server's answer,
+        the stream's first response (it must name a region of nbytes)."""
+        self._requests.put(request)
         try:
             resp = next(self._responses)
         except StopIteration:
@@ -320,6 +270,16 @@ class DecodeSession:
             raise LatentdError(e.code(), e.details()) from None
         if resp.region.bytes != nbytes:
             raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        return resp
+
+    def open_region(self, nbytes, ring_entries=0):
+        """Asks the server for a shared region of nbytes and maps it (same host and user
+        as the daemon only). Call before any submit and before results(); the region
+        lives until the stream ends. ring_entries > 0 also puts a doorbell ring of that
+        many entries at its start (self.ring, a DoorbellRing; tensors go after
+        ring.nbytes): steps then go through shared memory with no message per step."""
+        resp = self._region_answer(
+            latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries), nbytes)
         self.region = SharedRegion(resp.region.path, nbytes)
         self.ring = DoorbellRing(self.region, ring_entries) if ring_entries else None
         return self.region
@@ -343,15 +303,8 @@ class DecodeSession:
         start = alloc_offset + (tensor.data_ptr() - storage.data_ptr())
         nbytes = tensor.numel() * tensor.element_size()
         region = latentd_pb2.CudaRegion(ipc_handle=handle, offset=start, bytes=nbytes)
-        self._requests.put(latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries))
-        try:
-            resp = next(self._responses)
-        except StopIteration:
-            raise LatentdError(grpc.StatusCode.UNAVAILABLE, "stream ended before the region's answer") from None
-        except grpc.RpcError as e:
-            raise LatentdError(e.code(), e.details()) from None
-        if resp.region.bytes != nbytes:
-            raise LatentdError(grpc.StatusCode.INTERNAL, "the first response is not the region's answer")
+        resp = self._region_answer(
+            latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries), nbytes)
         self.region = tensor
         if ring_entries:
             if resp.region.ring_bytes != ring_bytes(ring_entries) or not resp.region.path:
@@ -388,28 +341,22 @@ class DecodeSession:
         c = self._client
         ids, pb = [], []
         for st in steps:
-            q, kv = st["q"], st["kv"]
-            q_bytes = q if isinstance(q, (bytes, bytearray, memoryview)) else c.wire(q)
-            kv_bytes = kv if isinstance(kv, (bytes, bytearray, memoryview)) else c.wire(kv)
             rid = st.get("request_id") or next(c._ids)
             ids.append(rid)
+            step, s_q = c._step_message(rid, st["sequence_id"], st["layer"], st["q"], st["kv"],
+                                        st.get("causal", False), st.get("timeout_ms", 0))
             with self._lock:
-                self._s_q[rid] = len(q_bytes) // (c.h_q * HEAD_DIM_QK * 2)
-            pb.append(latentd_pb2.DecodeStep(request_id=rid, sequence_id=st["sequence_id"], layer=st["layer"],
-                                             q=bytes(q_bytes), kv=bytes(kv_bytes), causal=st.get("causal", False),
-                                             timeout_ms=st.get("timeout_ms", 0)))
+                self._s_q[rid] = s_q
+            pb.append(step)
         self._requests.put(latentd_pb2.DecodeRequest(steps=pb))
         return ids
 
     def submit(self, sequence_id, layer, q, kv, causal=False, request_id=None, timeout_ms=0):
         c = self._client
-        q_bytes = q if isinstance(q, (bytes, bytearray)) else c.wire(q)
-        kv_bytes = kv if isinstance(kv, (bytes, bytearray)) else c.wire(kv)
         rid = next(c._ids) if request_id is None else request_id
+        step, s_q = c._step_message(rid, sequence_id, layer, q, kv, causal, timeout_ms)
         with self._lock:
-            self._s_q[rid] = len(q_bytes) // (c.h_q * HEAD_DIM_QK * 2)
-        step = latentd_pb2.DecodeStep(request_id=rid, sequence_id=sequence_id, layer=layer, q=bytes(q_bytes),
-                                      kv=bytes(kv_bytes), causal=causal, timeout_ms=timeout_ms)
+            self._s_q[rid] = s_q
         self._requests.put(latentd_pb2.DecodeRequest(steps=[step]))
         return rid
 
@@ -427,17 +374,8 @@ class DecodeSession:
             for resp in self._responses:
                 for r in resp.results:
                     with self._lock:
-                        s_q = self._s_q.pop(r.request_id, 1)
-                    if r.code == 0 and s_q == 0:  # a region step: its results are in the region
-                        out = np.zeros((0,), np.float32)
-                        lse = np.zeros((0,), np.float32)
-                    elif r.code == 0:
-                        out = c.unwire(r.out, (s_q, c.h_q, HEAD_DIM_V))
-                        lse = np.frombuffer(r.lse, dtype="<f4").reshape(c.h_q, s_q)
-                    else:
-                        out = np.zeros((0,), np.float32)
-                        lse = np.zeros((0,), np.float32)
-                    yield StepOutput(r.request_id, out, lse, r.code, r.message)
+                        s_q = self._s_q.pop(r.request_id, 1)  # 0: a region step, its results in the region
+                    yield c._step_output(r, s_q)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 raise LatentdError(e.code(), e.details()) from None

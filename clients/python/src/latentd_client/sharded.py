@@ -12,7 +12,8 @@ import grpc
 import numpy as np
 
 from . import health_pb2, health_pb2_grpc, latentd_pb2
-from .client import HEAD_DIM_QK, HEAD_DIM_V, ROUTE_HEADER, LatentdClient, LatentdError, StepOutput
+from ._wire import ModelWire, StepOutput
+from .client import ROUTE_HEADER, LatentdClient, LatentdError  # noqa: F401
 
 _MASK = (1 << 64) - 1
 _DECODE_SERVICE = "latentd.v1.DecodeService"
@@ -124,7 +125,7 @@ class _Target:
         self.last_error = ""
 
 
-class ShardedClient:
+class ShardedClient(ModelWire):
     """Sequences spread over several daemons.
 
     targets: host:port of every daemon (client-side hashing: each sequence goes to the
@@ -247,20 +248,8 @@ class ShardedClient:
     def __exit__(self, *exc):
         self.close()
 
-    # Shape and wire format (every daemon serves the same model).
-    @property
-    def h_q(self):
-        return self.info.num_heads_q
-
-    @property
-    def h_kv(self):
-        return self.info.num_heads_kv
-
-    def wire(self, array):
-        return self._targets[0].client.wire(array)
-
-    def unwire(self, data, shape):
-        return self._targets[0].client.unwire(data, shape)
+    # Shape and wire format: ModelWire (h_q, h_kv, wire, unwire), of self.info (every
+    # daemon serves the same model).
 
     @property
     def targets(self):
@@ -477,19 +466,15 @@ class ShardedClient:
         """
         protos, s_q, seqs = [], {}, {}
         for s in steps:
-            q, kv = s["q"], s["kv"]
-            q = q if isinstance(q, (bytes, bytearray)) else self.wire(q)
-            kv = kv if isinstance(kv, (bytes, bytearray)) else self.wire(kv)
             rid = s.get("request_id")
             rid = self._next_id() if rid is None else rid
             if rid in s_q:
                 raise LatentdError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"decode_batch: request_id {rid} appears twice in one batch")
-            s_q[rid] = len(q) // (self.h_q * HEAD_DIM_QK * 2)
+            step, s_q[rid] = self._step_message(rid, s["sequence_id"], s["layer"], s["q"], s["kv"],
+                                                s.get("causal", False), s.get("timeout_ms", 0))
             seqs[rid] = s["sequence_id"]
-            protos.append(latentd_pb2.DecodeStep(request_id=rid, sequence_id=s["sequence_id"], layer=s["layer"],
-                                                 q=bytes(q), kv=bytes(kv), causal=s.get("causal", False),
-                                                 timeout_ms=s.get("timeout_ms", 0)))
+            protos.append(step)
         results = {}
         groups = {}  # key -> (target, route, [steps])
         refused = []
@@ -551,12 +536,8 @@ class ShardedClient:
         empty = np.zeros((0,), np.float32)
         for p in protos:
             r = results[p.request_id]
-            if isinstance(r, tuple):
+            if isinstance(r, tuple):  # refused here, or no result came
                 out.append(StepOutput(p.request_id, empty, empty, r[0], r[1]))
-            elif r.code == 0:
-                n = s_q[p.request_id]
-                out.append(StepOutput(p.request_id, self.unwire(r.out, (n, self.h_q, HEAD_DIM_V)),
-                                      np.frombuffer(r.lse, dtype="<f4").reshape(self.h_q, n), 0, r.message))
             else:
-                out.append(StepOutput(p.request_id, empty, empty, r.code, r.message))
+                out.append(self._step_output(r, s_q[p.request_id]))
         return out
