@@ -15,8 +15,10 @@ namespace latentd::tools {
 
 class DeviceRegion {
  public:
-  // region_bytes of device memory for the stream, and the pool's tensors on the device.
-  static absl::StatusOr<std::unique_ptr<DeviceRegion>> Create(uint64_t region_bytes,
+  // region_bytes of memory on CUDA device `device` for the stream, and the pool's tensors
+  // there. The daemon may run on another device of the host: it opens the handle with
+  // peer access (the attention/FFN layout of one host, runner and daemon on two GPUs).
+  static absl::StatusOr<std::unique_ptr<DeviceRegion>> Create(int device, uint64_t region_bytes,
                                                               const std::vector<std::string>& pool);
   virtual ~DeviceRegion() = default;
   // The region allocation's cudaIpcMemHandle_t (64 bytes).

@@ -3,7 +3,7 @@
 
 namespace latentd::tools {
 
-absl::StatusOr<std::unique_ptr<DeviceRegion>> DeviceRegion::Create(uint64_t, const std::vector<std::string>&) {
+absl::StatusOr<std::unique_ptr<DeviceRegion>> DeviceRegion::Create(int, uint64_t, const std::vector<std::string>&) {
   return absl::UnimplementedError("--cuda_region: this build has no CUDA support (--config=nocuda)");
 }
 

@@ -55,6 +55,9 @@ ABSL_FLAG(bool, cuda_region, false,
           "same-host data plane on the GPU: each runner's q/kv/out/lse live in a device allocation of its "
           "own, offered to its stream through CUDA IPC (open_cuda_region); each layer's inputs are copied "
           "there on the device from a pool, and messages carry offsets only");
+ABSL_FLAG(int, cuda_device, 0,
+          "--cuda_region: the CUDA device the runner's region lives on (the daemon's --device may differ: "
+          "it then reads and writes the region over peer access)");
 ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int, prefix_pool_pages, 61,
@@ -269,7 +272,7 @@ int Main() {
             pool[p] += q_pool[(p + b) % kPool];
             pool[kPool + p] += kv_pool[(p + b + 3) % kPool];
           }
-        auto made = tools::DeviceRegion::Create(dev.bytes, pool);
+        auto made = tools::DeviceRegion::Create(absl::GetFlag(FLAGS_cuda_device), dev.bytes, pool);
         absl::Status opened = made.status();
         if (opened.ok()) {
           device = std::move(*made);
