@@ -1,21 +1,23 @@
 // The SM80 MLA decode kernel: one CTA per (row tile, split-K partition, sequence x KV
 // head). cp.async stages KV tiles through XOR-swizzled shared memory, ldmatrix feeds
 // mma.sync.m16n8k16, and an fp32 online softmax runs on the accumulator fragments.
-// Phase functions over the instantiation's DecodeTraits (traits.h) first (copy, Q, QK,
-// epilogue helpers), then MlaDecodeKernel, the loop over KV tiles that calls them; each
-// FP8 pipeline's code is in its own header (fp8_in_place.cuh, fp8_in_registers.cuh,
-// fp8_dequant_ahead.cuh), selected by T::kFp8Pipeline. Included only by the one-line
-// instantiation files kernels/sm80/decode_*.cu.
+// Phase functions over the instantiation's DecodeTraits (traits.h) first (copy of a KV
+// tile and of Q, QK, and for the 32-row tile the cross-warp reduction and the softmax),
+// then MlaDecodeKernel, the loop over KV tiles that calls them; each FP8 pipeline's code
+// is in its own header (fp8_in_place.cuh, fp8_in_registers.cuh, fp8_dequant_ahead.cuh),
+// selected by T::kFp8Pipeline. Included only by the one-line instantiation files
+// kernels/sm80/decode_*.cu.
 //
-// Register arrays (Q fragments, O, the row state, per-step scratch such as QK's A
-// fragments) are declared in the kernel body and passed to the phases, in the order the
-// kernel has always declared them: the compiler numbers its loop-carried values by the
-// order of these arrays, and ptxas's register allocation follows that numbering, so
-// declaring them inside the phases changes the machine code (by one register on some
-// instantiations). For the same reason the cross-warp reduction, the softmax, the PV
-// loop and the epilogue are still written in the loop body: moved into functions they
-// changed the machine code of the 32- and 64-row tiles (fe5ffeb's is kept byte for
-// byte).
+// Register arrays and per-step scratch (Q fragments, O, the row state, QK's A
+// fragments, the reduction's float4s, the pass registers of the in-place conversion)
+// are declared in the kernel body and passed to the phases, in the order the kernel has
+// always declared them: the compiler numbers its values by the order of these
+// variables, and ptxas's register allocation follows that numbering, so declaring them
+// inside the phases changes the machine code (by one register on some instantiations).
+// The cooperative reduction, its softmax and P exchange, the PV loop and the epilogue
+// are still written in the loop body (PV as the pv_kstep lambda): moved into functions
+// they changed the machine code of the 64-row tile, which is kept byte for byte as of
+// fe5ffeb.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -173,6 +175,120 @@ __device__ __forceinline__ void Qk(const Cta<T>& cta, const typename T::SharedMe
         Mma<T::kDType>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reduce: the 4 warps' partial scores of a group summed across warps, through shared
+// memory, in one fixed order, so that every warp that holds a sum holds the same bits.
+
+// Every warp sums all of the tile's scores (the 32-row tile): all warps then hold
+// bit-identical scores and run identical softmax arithmetic; a warp's own partial comes
+// from its registers (the same bits it stored), so each warp reads 3 of the 4. In
+// kExchangePasses passes through one buffer. own, v, u: scratch of the kernel.
+template <class T>
+__device__ __forceinline__ void ReduceAll(const Cta<T>& cta, typename T::SharedMemoryPlan& sm,
+                                          float (&s)[T::kMT][T::kNT][4], float4& own, float4& v, float4& u) {
+  constexpr int kMT = T::kMT;
+  constexpr int kPasses = T::Cfg::kExchangePasses, kPassNT = T::kNT / kPasses;
+  const int lane = cta.lane, warp = cta.warp, grp = cta.grp;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (pass > 0) __syncthreads();  // every warp has read the previous pass
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int jj = 0; jj < kPassNT; ++jj) {
+        const int j = pass * kPassNT + jj;
+        *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
+            make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+      }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int jj = 0; jj < kPassNT; ++jj) {
+        const int j = pass * kPassNT + jj;
+        own = make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
+        v = own;
+        if (warp != 0) v = *reinterpret_cast<const float4*>(&sm.s_part[grp][0][mt][jj][lane][0]);
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) {
+          u = own;
+          if (w != warp) u = *reinterpret_cast<const float4*>(&sm.s_part[grp][w][mt][jj][lane][0]);
+          v.x += u.x;
+          v.y += u.y;
+          v.z += u.z;
+          v.w += u.w;
+        }
+        s[mt][j][0] = v.x;
+        s[mt][j][1] = v.y;
+        s[mt][j][2] = v.z;
+        s[mt][j][3] = v.w;
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Softmax: online, one rescale of O per KV tile, skipped by warp vote when no row
+// maximum moved. A quad of lanes holds one row (m-tile mt, half h -> tile row grow0 +
+// mt*16 + lane/4 + 8h).
+
+// Every warp's softmax on the whole tile's summed scores s (the 32-row tile): masks,
+// then turns s into P in place.
+template <class T>
+__device__ __forceinline__ void SoftmaxTile(const Cta<T>& cta, int t, float (&s)[T::kMT][T::kNT][4],
+                                            const int (&row_limit)[T::kMT][2], float (&m_run)[T::kMT][2],
+                                            float (&l_run)[T::kMT][2], float (&acc)[T::kMT][T::kVT][4],
+                                            float scale_log2, float (&alpha)[T::kMT][2]) {
+  constexpr int kMT = T::kMT, kNT = T::kNT;
+  const int lane = cta.lane;
+  // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
+  const int key0 = cta.key_begin + t * T::kN;
+  if (key0 + T::kN > cta.lim_min) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
+          if (key >= row_limit[mt][e >> 1]) s[mt][j][e] = -INFINITY;
+        }
+  }
+  bool rescale = false;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
+      alpha[mt][h] = Exp2(m_run[mt][h] - m_use);
+      rescale |= m_new != m_run[mt][h];
+      m_run[mt][h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = Exp2(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
+          s[mt][j][2 * h + e] = pv;
+          sum += pv;
+        }
+      l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], sum);
+    }
+  if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < T::kVT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
   }
 }
 
@@ -529,98 +645,13 @@ __global__ void __launch_bounds__(DecodeTraits<kDType, kRows, kKv, kRegsPipe, kS
         }
       }
     } else {
-      // Sum the 4 warps' partials. Every warp sums in the same order, so all warps hold
-      // bit-identical scores and run identical softmax arithmetic; a warp's own partial
-      // comes from its registers (the same bits it stored), so each warp reads 3 of the 4.
-      // The 64-row tile exchanges its 32 keys in two passes of 16 through one buffer,
-      // which is what lets Q stay whole in shared memory within A100's 163 KB.
-      constexpr int kPasses = Cfg::kExchangePasses, kPassNT = kNT / kPasses;
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        if (pass > 0) __syncthreads();  // every warp has read the previous pass
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int jj = 0; jj < kPassNT; ++jj) {
-            const int j = pass * kPassNT + jj;
-            *reinterpret_cast<float4*>(&sm.s_part[grp][warp][mt][jj][lane][0]) =
-                make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
-          }
-        __syncthreads();
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int jj = 0; jj < kPassNT; ++jj) {
-            const int j = pass * kPassNT + jj;
-            const float4 own = make_float4(s[mt][j][0], s[mt][j][1], s[mt][j][2], s[mt][j][3]);
-            float4 v = own;
-            if (warp != 0) v = *reinterpret_cast<const float4*>(&sm.s_part[grp][0][mt][jj][lane][0]);
-#pragma unroll
-            for (int w = 1; w < kWarps; ++w) {
-              float4 u = own;
-              if (w != warp) u = *reinterpret_cast<const float4*>(&sm.s_part[grp][w][mt][jj][lane][0]);
-              v.x += u.x;
-              v.y += u.y;
-              v.z += u.z;
-              v.w += u.w;
-            }
-            s[mt][j][0] = v.x;
-            s[mt][j][1] = v.y;
-            s[mt][j][2] = v.z;
-            s[mt][j][3] = v.w;
-          }
-      }
+      // Reduce: every warp sums the 4 partials of the whole tile.
+      float4 own, v, u;
+      ReduceAll(cta, sm, s, own, v, u);
 
-      // Mask keys past each row's limit (past seqlen, or causal), only on tiles that need it.
-      const int key0 = key_begin + t * kN;
-      if (key0 + kN > lim_min) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int j = 0; j < kNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
-              if (key >= row_limit[mt][e >> 1]) s[mt][j][e] = -INFINITY;
-            }
-      }
-
-      // Online softmax, once per kN keys. A quad of lanes holds one row.
-      bool rescale = false;
+      // Softmax: mask, then P in place of s.
       float alpha[kMT][2];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * h], s[mt][j][2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no (-inf) - (-inf)
-          alpha[mt][h] = Exp2(m_run[mt][h] - m_use);
-          rescale |= m_new != m_run[mt][h];
-          m_run[mt][h] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pv = Exp2(fmaf(s[mt][j][2 * h + e], scale_log2, -m_use));
-              s[mt][j][2 * h + e] = pv;
-              sum += pv;
-            }
-          l_run[mt][h] = fmaf(l_run[mt][h], alpha[mt][h], sum);
-        }
-      if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int j = 0; j < kVT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
-      }
+      SoftmaxTile(cta, t, s, row_limit, m_run, l_run, acc, scale_log2, alpha);
 
       // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
 #pragma unroll
