@@ -1,23 +1,24 @@
 // The SM80 MLA decode kernel: one CTA per (row tile, split-K partition, sequence x KV
 // head). cp.async stages KV tiles through XOR-swizzled shared memory, ldmatrix feeds
 // mma.sync.m16n8k16, and an fp32 online softmax runs on the accumulator fragments.
-// Phase functions over the instantiation's DecodeTraits (traits.h) first (copy of a KV
-// tile and of Q, QK, and for the 32-row tile the cross-warp reduction and the softmax),
-// then MlaDecodeKernel, the loop over KV tiles that calls them; each FP8 pipeline's code
-// is in its own header (fp8_in_place.cuh, fp8_in_registers.cuh, fp8_dequant_ahead.cuh),
-// selected by T::kFp8Pipeline. Included only by the one-line instantiation files
-// kernels/sm80/decode_*.cu.
+// Phase functions over the instantiation's DecodeTraits (traits.h) first: copy of a KV
+// tile and of Q, QK, the 32-row tile's cross-warp reduction and softmax, PV (P from
+// registers or from shared memory; the k-step itself is the kernel's pv_kstep), and the
+// row sums' reduction. Then MlaDecodeKernel, the loop over KV tiles that calls them.
+// Each FP8 pipeline's code is in its own header (fp8_in_place.cuh, fp8_in_registers.cuh,
+// fp8_dequant_ahead.cuh), selected by T::kFp8Pipeline. Included only by the one-line
+// instantiation files kernels/sm80/decode_*.cu.
 //
-// Register arrays and per-step scratch (Q fragments, O, the row state, QK's A
-// fragments, the reduction's float4s, the pass registers of the in-place conversion)
+// Register arrays and per-step scratch (Q fragments, O, the row state, QK's A and PV's
+// P fragments, the reductions' float4s, the pass registers of the in-place conversion)
 // are declared in the kernel body and passed to the phases, in the order the kernel has
 // always declared them: the compiler numbers its values by the order of these
 // variables, and ptxas's register allocation follows that numbering, so declaring them
 // inside the phases changes the machine code (by one register on some instantiations).
-// The cooperative reduction, its softmax and P exchange, the PV loop and the epilogue
-// are still written in the loop body (PV as the pv_kstep lambda): moved into functions
-// they changed the machine code of the 64-row tile, which is kept byte for byte as of
-// fe5ffeb.
+// The cooperative reduction with its lazy-max softmax (16- and 64-row tiles) and the
+// epilogue's stores are still written in the loop body: moved into functions, even with
+// their scratch passed in, they changed the machine code, which is kept byte for byte
+// as of fe5ffeb.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -289,6 +290,93 @@ __device__ __forceinline__ void SoftmaxTile(const Cta<T>& cta, int t, float (&s)
       for (int j = 0; j < T::kVT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][j][e] *= alpha[mt][e >> 1];
+  }
+}
+
+// PV from P in registers (the 32-row tile): O[:, my 128 columns] += P V, P's
+// accumulator layout being the A-fragment layout. pa, pl: the kernel's P fragments of one
+// k-step (pl the low part of a split bf16 P); pv_step(kk, pa, pl) runs the k-step.
+template <class T, class PvStepFn>
+__device__ __forceinline__ void PvRegisterP(const float (&s)[T::kMT][T::kNT][4], uint32_t (&pa)[T::kMT][4],
+                                            uint32_t (&pl)[T::kSplitP ? T::kMT : 1][4], PvStepFn&& pv_step) {
+  constexpr DType kD = T::kDType;
+#pragma unroll
+  for (int kk = 0; kk < T::kNT / 2; ++kk) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      const float* x0 = s[mt][2 * kk];
+      const float* x1 = s[mt][2 * kk + 1];
+      pa[mt][0] = Pack2<kD>(x0[0], x0[1]);
+      pa[mt][1] = Pack2<kD>(x0[2], x0[3]);
+      pa[mt][2] = Pack2<kD>(x1[0], x1[1]);
+      pa[mt][3] = Pack2<kD>(x1[2], x1[3]);
+      if constexpr (T::kSplitP) {
+        pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
+        pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
+        pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
+        pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
+      }
+    }
+    pv_step(kk, pa, pl);
+  }
+}
+
+// PV with the cooperative reduction: every slice's P, from the reducing warps' slots
+// (Plan::kPInSlots) or from the array p at p_tile, by ldmatrix as the A operand. pa, pl:
+// the kernel's P fragments of one k-step; pv_step(kk, pa, pl) runs the k-step.
+template <class T, class PvStepFn>
+__device__ __forceinline__ void PvSharedP(const Cta<T>& cta, typename T::SharedMemoryPlan& sm, const uint16_t* p_tile,
+                                          uint32_t (&pa)[T::kMT][4], uint32_t (&pl)[T::kSplitP ? T::kMT : 1][4],
+                                          PvStepFn&& pv_step) {
+  constexpr bool kPInSlots = T::SharedMemoryPlan::kPInSlots;
+  constexpr int kPPlane = kPInSlots ? T::kGroupRows * 8 : T::kGroupRows * T::kN;  // elements per P plane
+  const int lane = cta.lane;
+  // Slots: slice c's P at slot [c][c], (kWarps + 1) slots after slice 0's.
+  constexpr uint32_t kSlotStride = sizeof(sm.s_part[0][0]) + sizeof(sm.s_part[0][0][0]);
+  const uint32_t p_base = kPInSlots ? SmemAddr(&sm.s_part[cta.grp][0][0][0][0][0]) : SmemAddr(p_tile);
+#pragma unroll
+  for (int kk = 0; kk < T::kNT / 2; ++kk) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt) {
+      // (row / 2) % 4 is (lane / 2) % 4 for every m-tile.
+      const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = kk * 2 + (lane >> 4);
+      const uint32_t addr = kPInSlots ? p_base + chunk * kSlotStride + row * 16
+                                      : p_base + (row * T::kN + ((chunk ^ ((lane >> 1) & 3)) << 3)) * 2;
+      Ldmatrix4(pa[mt], addr);
+      if constexpr (T::kSplitP) Ldmatrix4(pl[mt], addr + kPPlane * 2);
+    }
+    pv_step(kk, pa, pl);
+  }
+}
+
+// Row sums: a quad of lanes holds a row's keys (of the warp's slice, with the
+// cooperative reduction, whose slices' sums then go through shared memory and are added
+// in one order by every warp of the group). l4: the kernel's scratch.
+template <class T>
+__device__ __forceinline__ void ReduceRowSums(const Cta<T>& cta, typename T::SharedMemoryPlan& sm,
+                                              float (&l_run)[T::kMT][2], float4& l4) {
+  const int lane = cta.lane, warp = cta.warp, grp = cta.grp;
+#pragma unroll
+  for (int mt = 0; mt < T::kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 1);
+      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 2);
+    }
+  if constexpr (T::Cfg::kCoopReduce) {
+    if ((lane & 3) == 0)
+#pragma unroll
+      for (int mt = 0; mt < T::kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = l_run[mt][h];
+    GroupSync(1 + grp);
+#pragma unroll
+    for (int mt = 0; mt < T::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        l4 = *reinterpret_cast<const float4*>(&sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][0]);
+        l_run[mt][h] = ((l4.x + l4.y) + l4.z) + l4.w;
+      }
   }
 }
 
@@ -613,23 +701,11 @@ __global__ void __launch_bounds__(DecodeTraits<kDType, kRows, kKv, kRegsPipe, kS
         }
         GroupSync(bar);  // the group's P is complete
       }
-      // Slots: slice c's P at slot [c][c], (kWarps + 1) slots after slice 0's.
-      constexpr uint32_t kSlotStride = sizeof(sm.s_part[0][0]) + sizeof(sm.s_part[0][0][0]);
-      const uint32_t p_base = kPInSlots ? SmemAddr(&sm.s_part[grp][0][0][0][0][0]) : SmemAddr(p_tile);
-#pragma unroll
-      for (int kk = 0; kk < kNT / 2; ++kk) {
-        uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          // (row / 2) % 4 is (lane / 2) % 4 for every m-tile.
-          const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = kk * 2 + (lane >> 4);
-          const uint32_t addr = kPInSlots ? p_base + chunk * kSlotStride + row * 16
-                                          : p_base + (row * kN + ((chunk ^ ((lane >> 1) & 3)) << 3)) * 2;
-          Ldmatrix4(pa[mt], addr);
-          if constexpr (kSplitP) Ldmatrix4(pl[mt], addr + kPPlane * 2);
-        }
-        pv_kstep(kk, pa, pl, kv_base);
-      }
+      // PV: every slice's P from shared memory.
+      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
+      PvSharedP<T>(cta, sm, p_tile, pa, pl, [&](int kk, const uint32_t(&a)[kMT][4], const uint32_t(&l)[kSplitP ? kMT : 1][4]) {
+        pv_kstep(kk, a, l, kv_base);
+      });
       if constexpr (kPingPong) {
         // Stage t % 2 is free once both groups are done with tile t: group 1 copies tile
         // t+2 into it.
@@ -653,56 +729,18 @@ __global__ void __launch_bounds__(DecodeTraits<kDType, kRows, kKv, kRegsPipe, kS
       float alpha[kMT][2];
       SoftmaxTile(cta, t, s, row_limit, m_run, l_run, acc, scale_log2, alpha);
 
-      // O[:, my 128 columns] += P V. P's accumulator layout is the A-fragment layout.
-#pragma unroll
-      for (int kk = 0; kk < kNT / 2; ++kk) {
-        uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          const float* x0 = s[mt][2 * kk];
-          const float* x1 = s[mt][2 * kk + 1];
-          pa[mt][0] = Pack2<kDType>(x0[0], x0[1]);
-          pa[mt][1] = Pack2<kDType>(x0[2], x0[3]);
-          pa[mt][2] = Pack2<kDType>(x1[0], x1[1]);
-          pa[mt][3] = Pack2<kDType>(x1[2], x1[3]);
-          if constexpr (kSplitP) {
-            pl[mt][0] = PackLowBf16(x0[0], x0[1], pa[mt][0]);
-            pl[mt][1] = PackLowBf16(x0[2], x0[3], pa[mt][1]);
-            pl[mt][2] = PackLowBf16(x1[0], x1[1], pa[mt][2]);
-            pl[mt][3] = PackLowBf16(x1[2], x1[3], pa[mt][3]);
-          }
-        }
-        pv_kstep(kk, pa, pl, kv_base);
-      }
+      // PV: P from registers.
+      uint32_t pa[kMT][4], pl[kSplitP ? kMT : 1][4];
+      PvRegisterP<T>(s, pa, pl, [&](int kk, const uint32_t(&a)[kMT][4], const uint32_t(&l)[kSplitP ? kMT : 1][4]) {
+        pv_kstep(kk, a, l, kv_base);
+      });
     }
   }
   CpAsyncWait<0>();
 
-  // Row sums: a quad of lanes holds a row's keys (of the warp's slice, with the
-  // cooperative reduction, whose slices' sums then go through shared memory and are
-  // added in one order by every warp of the group).
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 1);
-      l_run[mt][h] += __shfl_xor_sync(0xffffffffu, l_run[mt][h], 2);
-    }
-  if constexpr (Cfg::kCoopReduce) {
-    if ((lane & 3) == 0)
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][warp] = l_run[mt][h];
-    GroupSync(1 + grp);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 l4 = *reinterpret_cast<const float4*>(&sm.row_sum[grp][mt * 16 + (lane >> 2) + 8 * h][0]);
-        l_run[mt][h] = ((l4.x + l4.y) + l4.z) + l4.w;
-      }
-  }
+  // Reduce the rows' sums across the group's warps.
+  float4 l4;
+  ReduceRowSums(cta, sm, l_run, l4);
 
   // Epilogue: normalise and write out/lse directly, or the partition's partials.
   const int rows_total = p.h_q * p.s_q;
