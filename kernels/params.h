@@ -36,6 +36,18 @@ enum class PRounding : int { kSplit = 0, kOnce = 1 };
 // "split" / "once".
 const char* PRoundingName(PRounding rounding);
 
+// Which shared-memory plan of the 64-row tile a kernel uses (kernels/sm80/traits.h, DecodeTraits):
+// SM90's (up to 227 KB per CTA) or the A100 plan (within A100's 163 KB). The 16- and
+// 32-row tiles have one plan; their DecodePlans carry kSm90.
+enum class SmemPlan : int { kSm90 = 0, kA100 = 1 };
+
+// How a tile reads an FP8 cache (docs/fp8-kv-cache.md): kNone for 16-bit caches;
+// kInPlace dequantizes each landed tile in its own stage (16- and 32-row tiles, the
+// 64-row tile's A100 plan); kRegisters converts the codes in registers straight into
+// mma fragments (16-row tile); kDequantAhead dequantizes tile t+1 during tile t's PV
+// loop from a raw-row ring (the 64-row tile's SM90 plan).
+enum class Fp8Pipeline : int { kNone = 0, kInPlace, kRegisters, kDequantAhead };
+
 enum class Code : int {
   kOk = 0,
   kInvalidArgument,

@@ -11,18 +11,7 @@
 
 namespace latentd::kernels {
 
-// Which shared-memory plan of the 64-row tile a kernel uses (kernels/sm80/traits.h):
-// SM90's (up to 227 KB per CTA) or the A100 plan (within A100's 163 KB). The 16- and
-// 32-row tiles have one plan; their DecodePlans carry kSm90.
-enum class SmemPlan : int { kSm90 = 0, kA100 = 1 };
-
-// How a tile reads an FP8 cache (docs/fp8-kv-cache.md): kNone for 16-bit caches;
-// kInPlace dequantizes each landed tile in its own stage (16- and 32-row tiles, the
-// 64-row tile's A100 plan); kRegisters converts the codes in registers straight into
-// mma fragments (16-row tile); kDequantAhead dequantizes tile t+1 during tile t's PV
-// loop from a raw-row ring (the 64-row tile's SM90 plan).
-enum class Fp8Pipeline : int { kNone = 0, kInPlace, kRegisters, kDequantAhead };
-
+// SmemPlan and Fp8Pipeline (kernels/params.h): the plan a DecodePlan names.
 const char* SmemPlanName(SmemPlan plan);
 const char* Fp8PipelineName(Fp8Pipeline pipeline);
 
@@ -62,7 +51,9 @@ bool Tile64SmemPlan(const DeviceInfo& dev, KvDType kv_dtype, SmemPlan* plan);
 int PlanSmemBytes(DType dtype, KvDType kv_dtype, int tile_rows, Fp8Pipeline pipeline, SmemPlan smem_plan);
 
 // The launch decided by the planner for one call. Small and trivially copyable; the
-// launch dispatches on it without re-deriving anything.
+// launch dispatches on it without re-deriving anything: with the params' dtype and KV
+// format, tile_rows, smem_plan, fp8_pipeline and p_rounding name one kernel
+// instantiation and its shared-memory plan (kernels/sm80/traits.h, DecodeTraits).
 struct DecodePlan {
   int tile_rows = 0;        // query rows (heads x s_q sharing one KV head) per CTA tile
   int row_tiles = 0;        // CTAs along the rows of one (sequence, KV head)

@@ -1,5 +1,6 @@
-// Shared-memory layout of the SM80 decode kernel per tile configuration. sizeof(the plan)
-// is exactly the dynamic shared memory each CTA is launched with.
+// The SM80 decode kernel's traits: the shared-memory plan of each (tile, KV format), whose
+// sizeof is exactly the dynamic shared memory a CTA is launched with, and DecodeTraits,
+// everything one kernel instantiation is (tile shape, pipeline, plan) as constants.
 #pragma once
 
 #include <cstdint>
@@ -162,6 +163,70 @@ using PlanOf = std::conditional_t<
     std::conditional_t<kKv == KvDType::kFp8E4M3 && kFp8AheadOf<kRows, kSm80Plan>, Fp8AheadSharedMemoryPlan<kRows>,
                        SharedMemoryPlan<kRows, !TileConfig<kRows>::kQInRegisters, TileConfig<kRows>::kCoopReduce,
                                         kQRegStepsOf<kRows, kKv, kSm80Plan, kDType>>>>;
+
+// Everything one kernel instantiation is, as constants (the kernel, kernel.cuh, is
+// written against this type): its tile configuration, its shared-memory plan, which FP8
+// pipeline it runs, and the fragment counts the phases loop over. kRegsPipe: FP8
+// converted in registers (Fp8Pipeline::kRegisters); kSm80Plan: the 64-row tile's A100
+// plan (SmemPlan::kA100); the other tiles have one plan each.
+template <DType kDType_, int kRows_, KvDType kKv_, bool kRegsPipe, bool kSm80Plan, PRounding kPRounding_>
+struct DecodeTraits {
+  using Cfg = TileConfig<kRows_>;
+  static constexpr DType kDType = kDType_;
+  static constexpr int kRows = kRows_;
+  static constexpr KvDType kKv = kKv_;
+  static constexpr PRounding kPRounding = kPRounding_;
+  static constexpr bool kFp8 = kKv == KvDType::kFp8E4M3;
+
+  // The shared-memory plan: sizeof is the launch's dynamic shared memory.
+  static constexpr SmemPlan kSmemPlan = kSm80Plan ? SmemPlan::kA100 : SmemPlan::kSm90;
+  static constexpr bool kA100Plan = kSm80Plan;
+  using SharedMemoryPlan = PlanOf<kRows, kKv, kRegsPipe, kSm80Plan, kDType>;
+
+  // The FP8 pipeline (one header each: fp8_in_place.cuh, fp8_in_registers.cuh,
+  // fp8_dequant_ahead.cuh); kNone for 16-bit caches.
+  static constexpr bool kFp8Ahead = kFp8 && kFp8AheadOf<kRows, kSm80Plan>;
+  static constexpr bool kRegs = kUsesFp8Regs<kRows, kKv, kRegsPipe>;
+  static_assert(kRegs == kRegsPipe, "conversion in registers: FP8 caches on the 16-row tile only");
+  static constexpr Fp8Pipeline kFp8Pipeline = !kFp8      ? Fp8Pipeline::kNone
+                                              : kRegs     ? Fp8Pipeline::kRegisters
+                                              : kFp8Ahead ? Fp8Pipeline::kDequantAhead
+                                                          : Fp8Pipeline::kInPlace;
+
+  static constexpr int kCta = kCtaThreads<kRows>;
+  static constexpr int kMinCtasPerSm = kFp8 ? Cfg::kFp8MinCtasPerSm : Cfg::kMinCtasPerSm;
+  static constexpr int kN = Cfg::kKeys;  // keys per KV tile
+  // Copies in flight + 1.
+  static constexpr int kStages = kRegs ? Cfg::kFp8RegStages : Cfg::kStages;
+  // Tiles whose copies are issued ahead of the one computed: one more when dequantizing
+  // ahead (tile t+1 must have landed while tile t is computed).
+  static constexpr int kAhead = kFp8Ahead ? kStages : kStages - 1;
+  // Ping-pong (TileConfig::kPingPong, 16-bit caches): group 1 alone copies the KV tiles
+  // and runs up to half a tile behind group 0, the two synchronised by producer/consumer
+  // barriers instead of one CTA barrier per tile, so one group's softmax and barriers
+  // overlap the other's mma (be5ae71).
+  static constexpr bool kPingPong = Cfg::kPingPong && kKv == KvDType::kModel;
+  static_assert(!kPingPong || (Cfg::kGroups == 2 && kStages == 2), "ping-pong: two groups, two stages");
+
+  static constexpr int kGroupRows = kRows / Cfg::kGroups;
+  static constexpr int kMT = kGroupRows / 16;          // m16 tiles per warp (each warp covers its group's rows)
+  static constexpr int kNT = kN / 8;                   // n8 score tiles per KV tile
+  static constexpr int kKSteps = kDimsPerWarp / 16;    // 9
+  static constexpr int kVT = kColsPerWarp / 8;         // 16 n8 output tiles per warp
+  // k-steps of each warp's Q slice held in registers (all of them for the 16-row tile).
+  static constexpr int kQRegSteps = kQRegStepsOf<kRows, kKv, kSm80Plan, kDType>;  // with Q in shared memory
+  static constexpr int kRegSteps = Cfg::kQInRegisters ? kKSteps : kQRegSteps;
+  static constexpr int kQFragSteps = kRegSteps > 0 ? kRegSteps : 1;  // the register array's extent
+  static_assert(!Cfg::kQInRegisters || kMT == 1, "Q fully in registers only for one m-tile");
+  static_assert(kPageSize % kN == 0, "a KV tile must not straddle pages");
+  static_assert((kN * (kHeadDimQK / 8)) % kCta == 0, "KV tile copy must divide evenly");
+
+  // bf16 keeps 8 bits of P: with few dominant keys that alone is an output error of
+  // ~2^-9 |v|, beyond the split contract's tolerance, so by default (PRounding::kSplit)
+  // bf16 P is split into a high and a low bf16 part and multiplied twice; kOnce rounds
+  // it once (docs/p-rounding.md). fp16's 11 bits need no split.
+  static constexpr bool kSplitP = kDType == DType::kBF16 && kPRounding == PRounding::kSplit;
+};
 
 // A100: 164 KB per SM, 1 KB reserved per CTA; 2 CTAs must fit for the 16- and 32-row
 // tiles, one for the 64-row tile's A100 plan; its SM90 plan must fit SM90's 227 KB per
