@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/model/json.h"
 #include "nlohmann/json.hpp"
 
 namespace latentd::engine::model {
@@ -22,11 +23,7 @@ using Json = nlohmann::json;
 // products the loader forms (heads x head width x hidden) cannot overflow int64.
 constexpr int64_t kMaxDim = 1 << 20;
 
-std::string Shown(const Json& v) {
-  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
+std::string Shown(const Json& v) { return ShownJson(v); }
 
 // Reads typed values out of one JSON object; `prefix` is the dotted path of the object
 // ("" for the top level, "rope_scaling." inside it).
@@ -154,12 +151,10 @@ absl::Status ParseQuantization(const std::string& path, const Json& q, ModelConf
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, const std::string& path) {
-  Json j;
-  try {
-    j = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
-  }
+  // Published configs nest a few levels (quantization_config.weight_block_size).
+  absl::StatusOr<Json> parsed = ParseJson(json_text, path, 16);
+  if (!parsed.ok()) return parsed.status();
+  const Json& j = *parsed;
   if (!j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": expected a JSON object, got ", Shown(j)));
   }

@@ -214,6 +214,20 @@ TEST(ConfigTest, NotJsonOrNotAnObject) {
   }
 }
 
+TEST(ConfigTest, DuplicateKeysAndDeepNesting) {
+  std::string text = kDeepSeekV3;
+  text.insert(1, R"("hidden_size": 4096,)");
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(text, "m/config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("m/config.json: names \"hidden_size\" twice"));
+
+  text = kDeepSeekV3;
+  text.insert(1, "\"x\": " + std::string(100000, '[') + std::string(100000, ']') + ",");
+  c = ParseModelConfig(text, "m/config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("m/config.json: nests deeper than 16 levels"));
+}
+
 TEST(ConfigTest, LoadModelConfigMissingFile) {
   absl::StatusOr<ModelConfig> c = LoadModelConfig("/nonexistent/model");
   ASSERT_FALSE(c.ok());

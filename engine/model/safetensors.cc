@@ -11,13 +11,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/model/json.h"
 #include "nlohmann/json.hpp"
 
 namespace latentd::engine::model {
@@ -60,11 +60,7 @@ std::string KnownDTypes() {
   return absl::StrJoin(names, ", ");
 }
 
-std::string Shown(const Json& v) {
-  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
+std::string Shown(const Json& v) { return ShownJson(v); }
 
 // Shown(name) as JSON writes it, so a hostile name prints without control bytes.
 std::string Quoted(const std::string& name) { return Shown(Json(name)); }
@@ -181,27 +177,11 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensors(const uint8_t* data, size_t s
     return absl::DataLossError(absl::StrCat(file, ": header length ", header_len, " exceeds the ", size - 8,
                                             " bytes after it (a truncated file?)"));
   }
-  const char* begin = reinterpret_cast<const char*>(data + 8);
-  // A duplicate name would silently hide one of the tensors: the callback sees every
-  // top-level key before the parser overwrites it.
-  std::set<std::string> seen;
-  std::string duplicate;
-  auto on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && duplicate.empty() &&
-        !seen.insert(parsed.get<std::string>()).second) {
-      duplicate = parsed.get<std::string>();
-    }
-    return true;
-  };
-  Json j;
-  try {
-    j = Json::parse(begin, begin + header_len, on_event);
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": header is not valid JSON: ", e.what()));
-  }
-  if (!duplicate.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": header names ", Quoted(duplicate), " twice"));
-  }
+  // A real header nests three levels: {name: {shape: [...]}}.
+  absl::StatusOr<Json> parsed = ParseJson(
+      absl::string_view(reinterpret_cast<const char*>(data + 8), header_len), file + ": header", 8);
+  if (!parsed.ok()) return parsed.status();
+  const Json& j = *parsed;
   if (!j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": header: expected a JSON object, got ", Shown(j)));
   }
@@ -292,12 +272,9 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& dir) {
     c.source_ = index_path;
     absl::StatusOr<std::string> text = ReadSmallFile(index_path);
     if (!text.ok()) return text.status();
-    Json j;
-    try {
-      j = Json::parse(*text);
-    } catch (const Json::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": not valid JSON: ", e.what()));
-    }
+    absl::StatusOr<Json> parsed = ParseJson(*text, index_path, 8);
+    if (!parsed.ok()) return parsed.status();
+    const Json& j = *parsed;
     const Json* map = nullptr;
     if (j.is_object()) {
       auto it = j.find("weight_map");

@@ -152,11 +152,13 @@ TEST(SafetensorsTest, BadHeaders) {
       {R"({"a":{"dtype":"U8","shape":[10],"data_offsets":[0,10]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]},"c":{"dtype":"U8","shape":[2],"data_offsets":[5,7]}})",
        12, R"(overlap those of "a")"},
       {R"({"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},"w":{"dtype":"BF16","shape":[2],"data_offsets":[4,8]}})", 8,
-       R"(header names "w" twice)"},
+       R"(header: names "w" twice)"},
       {R"({"__metadata__":"pt"})", 0, "__metadata__: expected an object of strings"},
       {R"([1, 2])", 0, "header: expected a JSON object"},
-      {R"({"w":{"dtype":"BF16",)", 0, "header is not valid JSON"},
-      {"", 0, "header is not valid JSON"},
+      {R"({"w":{"dtype":"BF16",)", 0, "header: not valid JSON"},
+      {"", 0, "header: not valid JSON"},
+      {R"({"w":{"dtype":"BF16","shape":[[[[[[[[[[2]]]]]]]]]],"data_offsets":[0,4]}})", 4,
+       "header: nests deeper than 8 levels"},
   };
   for (const HeaderCase& c : cases) {
     const std::string msg = ParseError(SafetensorsBytesFromHeader(c.header, std::string(c.data_bytes, '\x11')));
