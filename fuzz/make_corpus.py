@@ -71,3 +71,25 @@ write("append_kv", "id-mismatch-and-bad-layer",
       [1, 0, 2] + [1, 0, 1, 0, 9] + [1, 1, 0, 1, 0, 3] + [1, 1, 1, 1, 0, 1, 5])
 write("append_kv", "raw", [0, 0, 1, 0, 30] + list(b"\x0a\x05in1-0\x10\x01\x1a\x00") + [0] * 16)
 randoms("append_kv", [64, 256, 1024], 3)
+
+# safetensors: the input is a whole file (8-byte little-endian header length, JSON
+# header, data), parsed by engine/model's safetensors reader.
+def safetensors(header, data):
+    import struct
+    h = header.encode()
+    return list(struct.pack("<Q", len(h)) + h + data)
+
+
+write("safetensors", "two-tensors", safetensors(
+    '{"__metadata__":{"format":"pt"},'
+    '"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},'
+    '"s":{"dtype":"F32","shape":[1,1],"data_offsets":[12,16]}}', bytes(range(1, 17))))
+write("safetensors", "fp8-and-scale", safetensors(
+    '{"q.weight":{"dtype":"F8_E4M3","shape":[4,4],"data_offsets":[0,16]},'
+    '"q.weight_scale_inv":{"dtype":"F32","shape":[1,1],"data_offsets":[16,20]},'
+    '"e":{"dtype":"F4","shape":[0],"data_offsets":[20,20]}}', bytes(range(3, 23))))
+write("safetensors", "overlap", safetensors(
+    '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+    '"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}', bytes(6)))
+write("safetensors", "truncated", safetensors(
+    '{"a":{"dtype":"I64","shape":[2,2],"data_offsets":[0,32]}}', bytes(20)))

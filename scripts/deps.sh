@@ -5,6 +5,8 @@ LATENTD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   prometheus-cpp-dev prometheus
+  # JSON for model checkpoints (engine/model: config.json, safetensors headers).
+  nlohmann-json3-dev
   python3 python3-grpcio python3-protobuf python3-numpy
   # Fuzzing (scripts/fuzz.sh): clang 14 with libFuzzer and the sanitizer runtimes;
   # llvm brings llvm-symbolizer for readable sanitizer stacks.

@@ -12,7 +12,7 @@ source scripts/deps.sh
 latentd_ensure_packages || { echo "latentd: package installation failed" >&2; exit 1; }
 
 seconds=${LATENTD_FUZZ_SECONDS:-60}
-targets=(${LATENTD_FUZZ_TARGETS:-kv_manager append_kv decode doorbell})
+targets=(${LATENTD_FUZZ_TARGETS:-kv_manager append_kv decode doorbell safetensors})
 labels=()
 for t in "${targets[@]}"; do labels+=("//fuzz:${t}_fuzzer"); done
 
