@@ -1,0 +1,212 @@
+// The doorbell ring's thread on a ring in ordinary memory, fed by a fake stream: what
+// it takes and when, how it stops, and the completions it publishes. Waits are for
+// conditions (with a generous deadline), never for a guessed time.
+#include "server/dataplane/doorbell_ring.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+
+namespace latentd::server::dataplane {
+namespace {
+
+// Ring memory as a client would map it: zeroed, page-aligned.
+struct RingMemory {
+  explicit RingMemory(uint32_t entries) : bytes(ring::RingBytes(entries)) {
+    base = static_cast<char*>(std::aligned_alloc(4096, bytes));
+    std::memset(base, 0, bytes);
+  }
+  ~RingMemory() { std::free(base); }
+  ring::Header* header() { return reinterpret_cast<ring::Header*>(base); }
+  // Publishes entries [from, to) with request_id = index + 1000, as a client would.
+  void Publish(uint32_t from, uint32_t to, uint32_t entries) {
+    for (uint32_t i = from; i < to; ++i) {
+      ring::SqEntry e{};
+      e.request_id = 1000 + i;
+      std::memcpy(base + ring::SqOffset() + (i & (entries - 1)) * sizeof(ring::SqEntry), &e, sizeof(e));
+    }
+    header()->sq_tail.store(to, std::memory_order_seq_cst);
+    if (header()->server_waiting.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&header()->sq_tail);
+  }
+  uint64_t bytes;
+  char* base;
+};
+
+class FakeStream : public DoorbellRing::Stream {
+ public:
+  explicit FakeStream(DoorbellRing* ring) : ring_(ring) {}
+  int64_t Room() override {
+    absl::MutexLock l(&mu_);
+    return room_;
+  }
+  void Take(uint32_t head, uint32_t count) override {
+    absl::MutexLock l(&mu_);
+    takes_.emplace_back(head, count);
+    for (uint32_t i = 0; i < count; ++i) ids_.push_back(ring_->Entry(head + i).request_id);
+  }
+  void Fail(absl::Status status) override {
+    absl::MutexLock l(&mu_);
+    failed_ = std::move(status);
+  }
+  void SetRoom(int64_t room) {
+    absl::MutexLock l(&mu_);
+    room_ = room;
+  }
+  std::vector<std::pair<uint32_t, uint32_t>> takes() {
+    absl::MutexLock l(&mu_);
+    return takes_;
+  }
+  std::vector<uint64_t> ids() {
+    absl::MutexLock l(&mu_);
+    return ids_;
+  }
+  absl::Status failed() {
+    absl::MutexLock l(&mu_);
+    return failed_;
+  }
+
+ private:
+  DoorbellRing* const ring_;
+  absl::Mutex mu_;
+  int64_t room_ = 1 << 20;
+  std::vector<std::pair<uint32_t, uint32_t>> takes_;
+  std::vector<uint64_t> ids_;
+  absl::Status failed_;
+};
+
+// Waits up to 30 s for pred; false if it never held.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!pred()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  return true;
+}
+
+// A ring with its thread running, stopped at once when the test ends.
+struct Running {
+  Running(uint32_t entries, int64_t max_batch, absl::Duration spin = absl::ZeroDuration())
+      : memory(entries), ring(memory.base, entries, DoorbellRing::Options{spin, max_batch}), stream(&ring) {
+    thread = std::thread([this] {
+      ring.Run(&stream);
+      returned.store(true);
+    });
+  }
+  ~Running() {
+    ring.RequestStop(DoorbellRing::kNow);
+    thread.join();
+  }
+  uint32_t sq_head() { return memory.header()->sq_head.load(); }
+  RingMemory memory;
+  DoorbellRing ring;
+  FakeStream stream;
+  std::atomic<bool> returned{false};
+  std::thread thread;
+};
+
+TEST(DoorbellRing, WritesItsSizeIntoTheHeader) {
+  RingMemory m(16);
+  DoorbellRing ring(m.base, 16, DoorbellRing::Options{absl::ZeroDuration(), 8});
+  EXPECT_EQ(m.header()->entries, 16u);
+}
+
+TEST(DoorbellRing, TakesPublishedEntriesInBatchesOfAtMostMaxBatch) {
+  Running r(8, 3);
+  r.memory.Publish(0, 5, 8);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 5; }));
+  using Take = std::pair<uint32_t, uint32_t>;
+  EXPECT_EQ(r.stream.takes(), (std::vector<Take>{{0, 3}, {3, 2}}));
+  EXPECT_EQ(r.stream.ids(), (std::vector<uint64_t>{1000, 1001, 1002, 1003, 1004}));
+}
+
+TEST(DoorbellRing, UnconsumedCompletionsBoundWhatItTakes) {
+  Running r(4, 16);
+  r.memory.Publish(0, 4, 4);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 4; }));
+  // Four results not yet consumed fill the completion queue: nothing more is taken.
+  r.memory.Publish(4, 6, 4);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(r.sq_head(), 4u);
+  r.memory.header()->cq_head.store(1);  // one consumed: room for one
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 5; }));
+  r.memory.header()->cq_head.store(4);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 6; }));
+  using Take = std::pair<uint32_t, uint32_t>;
+  EXPECT_EQ(r.stream.takes(), (std::vector<Take>{{0, 4}, {4, 1}, {5, 1}}));
+}
+
+TEST(DoorbellRing, StreamRoomBoundsWhatItTakes) {
+  Running r(8, 16);
+  r.stream.SetRoom(0);
+  r.memory.Publish(0, 3, 8);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(r.sq_head(), 0u);
+  r.stream.SetRoom(2);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() >= 2; }));
+  r.stream.SetRoom(1 << 20);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 3; }));
+  EXPECT_EQ(r.stream.takes().front(), (std::pair<uint32_t, uint32_t>{0, 2}));
+}
+
+TEST(DoorbellRing, SubmissionTailPastTheRingFailsTheStream) {
+  Running r(8, 16);
+  r.memory.header()->sq_tail.store(9);
+  ring::FutexWake(&r.memory.header()->sq_tail);
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  const absl::Status st = r.stream.failed();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message().rfind("ring.sq_tail: 9", 0), 0u) << st;
+  EXPECT_EQ(r.memory.header()->closed.load(), 1u);
+  EXPECT_TRUE(r.stream.takes().empty());
+}
+
+TEST(DoorbellRing, DrainedTakesWhatIsPublishedThenStops) {
+  Running r(8, 16);
+  r.stream.SetRoom(0);
+  r.memory.Publish(0, 3, 8);
+  r.ring.RequestStop(DoorbellRing::kDrained);
+  r.stream.SetRoom(1 << 20);
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  EXPECT_EQ(r.sq_head(), 3u);
+  EXPECT_EQ(r.memory.header()->closed.load(), 1u);
+}
+
+TEST(DoorbellRing, DrainedWithAFullCompletionQueueStops) {
+  Running r(2, 16);
+  r.memory.Publish(0, 2, 2);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 2; }));
+  r.memory.Publish(2, 4, 2);  // never consumed: the client no longer reads
+  r.ring.RequestStop(DoorbellRing::kDrained);
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  EXPECT_EQ(r.sq_head(), 2u);
+}
+
+TEST(DoorbellRing, StopNowStopsAnIdleRingAndIsNeverLowered) {
+  Running r(8, 16);
+  r.ring.RequestStop(DoorbellRing::kNow);
+  r.ring.RequestStop(DoorbellRing::kRun);  // ignored
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  EXPECT_EQ(r.memory.header()->closed.load(), 1u);
+}
+
+TEST(DoorbellRing, PublishStoresTheTailOfWrittenCompletions) {
+  RingMemory m(4);
+  DoorbellRing ring(m.base, 4, DoorbellRing::Options{absl::ZeroDuration(), 8});
+  for (uint32_t i = 0; i < 5; ++i) ring.Completion(i)->request_id = 50 + i;  // index 4 reuses entry 0
+  ring.Publish(5);
+  EXPECT_EQ(m.header()->cq_tail.load(), 5u);
+  const auto* cq = reinterpret_cast<const ring::CqEntry*>(m.base + ring::CqOffset(4));
+  EXPECT_EQ(cq[0].request_id, 54u);
+  EXPECT_EQ(cq[3].request_id, 53u);
+}
+
+}  // namespace
+}  // namespace latentd::server::dataplane
