@@ -124,6 +124,9 @@ ABSL_FLAG(int64_t, max_region_total_bytes, int64_t{8} << 30,
 ABSL_FLAG(int, max_rings, 64,
           "doorbell rings (DecodeRequest.region_ring_entries) open at once over all streams; each has a "
           "daemon thread polling it while its stream lasts; beyond it opening one fails RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_rings_per_connection, 16,
+          "of --max_rings, rings one client connection may hold at once (1 to 4096; above --max_rings it is "
+          "--max_rings), so one client cannot take every ring; beyond it opening one fails RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, ring_spin_us, 1000,
           "how long a ring's thread spins on an idle ring before sleeping on its futex (0: sleep at once; "
           "a spin costs a core while it lasts, a sleep 20-30 us of wake-up for the next submission)");
@@ -401,6 +404,10 @@ int Run() {
   so.max_rings = absl::GetFlag(FLAGS_max_rings);
   so.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
   if (so.max_rings < 0) return Fail("--max_rings: expected >= 0 (0: no doorbell rings)");
+  const int rings_per_connection = absl::GetFlag(FLAGS_max_rings_per_connection);
+  if (rings_per_connection < 1 || rings_per_connection > 4096)
+    return Fail("--max_rings_per_connection: expected 1 to 4096");
+  so.max_rings_per_connection = std::min(rings_per_connection, so.max_rings);
   if (so.ring_spin_us < 0 || so.ring_spin_us > 1000000)
     return Fail("--ring_spin_us: expected 0 to 1000000 microseconds");
   const int max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);

@@ -233,14 +233,21 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Act(p);
   }
 
-  // Cancels the stream if a response write has been pending since before `cutoff`: the
+  // Cancels the stream if a response write has been pending since before `cutoff`, or
+  // its ring's completions have waited since then with the client consuming none: the
   // client stopped reading, and flow control would hold this stream (its slots and
   // results) until the client's deadline, or for ever without one. Returns true if so.
   // The caller holds a reference.
   bool CancelIfStalled(absl::Time cutoff) {
     {
       absl::MutexLock l(&mu_);
-      if (finished_ || !writing_ || write_started_ >= cutoff || cancelling_) return false;
+      if (finished_ || cancelling_) return false;
+      const bool write_stalled = writing_ && write_started_ < cutoff;
+      // ring_ is set before ring_running_ (under mu_), and fixed from then on.
+      const bool ring_stalled =
+          ring_running_ &&
+          ring_watch_.Observe(ring_->header()->cq_head.load(std::memory_order_acquire), cq_tail_, absl::Now()) < cutoff;
+      if (!write_stalled && !ring_stalled) return false;
       // No Finish until TryCancel has returned: the context lives until OnDone, which
       // only follows Finish. mu_ is not held across TryCancel, whose reactions (OnCancel,
       // OnWriteDone) may run inline on this thread.
@@ -740,11 +747,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                           absl::StrCat("DecodeRequest.open_region_bytes: ", open_region, "; expected at least the ",
                                        ring_bytes, " bytes a ring of ", ring_entries, " entries takes"));
         }
-        if (region_ == nullptr && !service_->ChargeRing()) {
-          return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("DecodeRequest.region_ring_entries: doorbell rings of all streams are at "
-                                       "--max_rings=",
-                                       o.max_rings, "; retry later, or send steps in DecodeRequest messages"));
+        if (region_ == nullptr) {
+          ring_peer_ = ctx_->peer();
+          if (absl::Status charged = service_->ChargeRing(ring_peer_); !charged.ok()) {
+            return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED, charged.message());
+          }
         }
       }
       if (open_region > 0 || cuda_region_.present) {
@@ -755,7 +762,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           if (st.ok()) {
             StartRing(static_cast<uint32_t>(ring_entries));
           } else {
-            service_->ReleaseRing();
+            service_->ReleaseRing(ring_peer_);
           }
         }
         if (!st.ok()) return SetFatal(st.error_code(), st.error_message());
@@ -1261,7 +1268,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // the members below unmap them after this body.
     if (region_ != nullptr) {
       if (!region_is_cuda_ && region_device_ != 0) service_->engine()->UnregisterHostMemory(region_);
-      if (ring_ != nullptr) service_->ReleaseRing();
+      if (ring_ != nullptr) service_->ReleaseRing(ring_peer_);
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
     if (!ring_file_.empty()) service_->ReleaseRegion(static_cast<int64_t>(ring_file_.bytes()));
@@ -1289,6 +1296,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // the ring's thread starts, then fixed.
   std::unique_ptr<dataplane::DoorbellRing> ring_;
   uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes of the region (0: ring in its own file)
+  std::string ring_peer_;  // the connection its ring is counted against (ChargeRing)
   std::vector<Slot*> ring_batch_;  // the ring thread's slots for the batch it takes
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered
   // Read side only: whether byte steps' inputs go into registered slot memory
@@ -1321,6 +1329,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
   bool ring_running_ ABSL_GUARDED_BY(mu_) = false;  // the ring's thread has not stopped
   uint32_t cq_tail_ ABSL_GUARDED_BY(mu_) = 0;        // completions posted to the ring
+  dataplane::CompletionWatch ring_watch_ ABSL_GUARDED_BY(mu_);  // the stall rule's view of them
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool processing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -1534,13 +1543,36 @@ bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
   return true;
 }
 
-bool DecodeServiceImpl::ChargeRing() {
+absl::Status DecodeServiceImpl::ChargeRing(const std::string& peer) {
   if (rings_.fetch_add(1, std::memory_order_relaxed) >= options_.max_rings) {
     rings_.fetch_sub(1, std::memory_order_relaxed);
     refused_rings_.fetch_add(1, std::memory_order_relaxed);
-    return false;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("DecodeRequest.region_ring_entries: doorbell rings of all streams are at --max_rings=",
+                     options_.max_rings, "; retry later, or send steps in DecodeRequest messages"));
   }
-  return true;
+  // One connection may hold only its share, so that one client cannot take every ring
+  // (as --max_streams_per_connection bounds its streams). Once per ring, never per step.
+  absl::MutexLock l(&rings_mu_);
+  int& mine = rings_by_peer_[peer];
+  if (mine >= options_.max_rings_per_connection) {
+    if (mine == 0) rings_by_peer_.erase(peer);
+    rings_.fetch_sub(1, std::memory_order_relaxed);
+    refused_rings_.fetch_add(1, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "DecodeRequest.region_ring_entries: this connection already holds --max_rings_per_connection=",
+        options_.max_rings_per_connection, " doorbell rings; close one of its ring streams, or send steps in "
+        "DecodeRequest messages"));
+  }
+  ++mine;
+  return absl::OkStatus();
+}
+
+void DecodeServiceImpl::ReleaseRing(const std::string& peer) {
+  rings_.fetch_sub(1, std::memory_order_relaxed);
+  absl::MutexLock l(&rings_mu_);
+  auto it = rings_by_peer_.find(peer);
+  if (it != rings_by_peer_.end() && --it->second <= 0) rings_by_peer_.erase(it);
 }
 
 ServiceCounters DecodeServiceImpl::Counters() const {

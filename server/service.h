@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -49,6 +50,8 @@ struct ServiceOptions {
   // long that thread spins on an idle ring before it sleeps on its futex (a sleeping
   // ring costs the client a futex wake per submission, and 20-30 us of wake-up).
   int max_rings = 64;
+  // Of those, rings one connection (gRPC peer) may hold; at most max_rings.
+  int max_rings_per_connection = 16;
   int ring_spin_us = 1000;
   // Byte steps' q and kv are read into host memory registered with the engine (CUDA:
   // pinned and mapped), which the device reads directly: no staging copy per step. Costs
@@ -183,9 +186,11 @@ class DecodeServiceImpl final : public DecodeServiceBase {
     region_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
     regions_.fetch_sub(1, std::memory_order_relaxed);
   }
-  // Counts a new doorbell ring against max_rings; false (nothing counted) when over it.
-  bool ChargeRing();
-  void ReleaseRing() { rings_.fetch_sub(1, std::memory_order_relaxed); }
+  // Counts a new doorbell ring against max_rings and its connection's (`peer`'s) share,
+  // max_rings_per_connection; RESOURCE_EXHAUSTED naming the flag (nothing counted) when
+  // over either.
+  absl::Status ChargeRing(const std::string& peer);
+  void ReleaseRing(const std::string& peer);
   // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
   template <typename Fn>
   void ForEachOpenStream(Fn fn);
@@ -206,6 +211,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<uint64_t> refused_regions_{0};
   std::atomic<uint64_t> steps_inputs_pinned_{0}, steps_inputs_device_direct_{0};
   std::atomic<int64_t> rings_{0};
+  absl::Mutex rings_mu_;  // touched once per ring stream
+  absl::flat_hash_map<std::string, int> rings_by_peer_ ABSL_GUARDED_BY(rings_mu_);
   std::atomic<uint64_t> refused_rings_{0}, steps_ring_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},

@@ -36,6 +36,9 @@ ring::CqEntry* DoorbellRing::Completion(uint32_t index) {
 }
 
 void DoorbellRing::Publish(uint32_t tail) {
+  // Before cq_tail: a client that saw cq_tail then wrote cq_head is checked against a
+  // posted_ at least as far (Run reads cq_head first, then posted_).
+  posted_.store(tail, std::memory_order_release);
   header_->cq_tail.store(tail, std::memory_order_seq_cst);
   if (header_->client_waiting.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&header_->cq_tail);
 }
@@ -44,6 +47,7 @@ void DoorbellRing::Run(Stream* stream) {
   ring::Header* const h = header_;
   const uint32_t n = entries_;
   uint32_t head = 0;
+  uint32_t consumed = 0;  // the client's cq_head as last checked
   absl::Time active = absl::Now();
   const absl::Duration spin = options_.spin;
   for (;;) {
@@ -69,9 +73,18 @@ void DoorbellRing::Run(Stream* stream) {
       active = absl::Now();  // spin again after a wake-up: the next batch is likely near
       continue;
     }
-    // Completions not yet consumed, as the client reports them (a client that lies
-    // only overwrites its own completion queue).
-    const uint32_t unconsumed = std::min(n, head - h->cq_head.load(std::memory_order_acquire));
+    // Completions not yet consumed, as the client reports them. A head that moved back,
+    // or past what was posted, would leave the ring waiting for room that never comes.
+    const uint32_t cq_head = h->cq_head.load(std::memory_order_acquire);
+    const uint32_t posted = posted_.load(std::memory_order_acquire);
+    if (cq_head - consumed > posted - consumed) {
+      stream->Fail(absl::InvalidArgumentError(
+          absl::StrCat("ring.cq_head: ", cq_head, "; expected from ", consumed, " (completions consumed before) to ",
+                       posted, " (completions posted): the client moves it forward over completions it has read")));
+      break;
+    }
+    consumed = cq_head;
+    const uint32_t unconsumed = std::min(n, head - cq_head);
     if (unconsumed == n && stop == kDrained) {
       // Half-closed with its completion queue full: a client that no longer reads
       // would hold the stream open for ever. What was not taken was never
@@ -93,6 +106,19 @@ void DoorbellRing::Run(Stream* stream) {
   }
   h->closed.store(1, std::memory_order_seq_cst);
   ring::FutexWake(&h->cq_tail);
+}
+
+absl::Time CompletionWatch::Observe(uint32_t consumed, uint32_t posted, absl::Time now) {
+  if (consumed == posted) {
+    waiting_ = false;
+    return absl::InfiniteFuture();
+  }
+  if (!waiting_ || consumed != consumed_) {
+    waiting_ = true;
+    consumed_ = consumed;
+    since_ = now;
+  }
+  return since_;
 }
 
 }  // namespace latentd::server::dataplane

@@ -61,6 +61,8 @@ class DoorbellRing {
   // one thread at a time (the stream serialises them) and published with Publish.
   ring::CqEntry* Completion(uint32_t index);
   // Publishes completions up to `tail` (one store), waking the client if it sleeps.
+  // The thread checks the client's cq_head against it: a head outside
+  // [consumed so far, posted] ends the stream naming ring.cq_head.
   void Publish(uint32_t tail);
 
   uint32_t entries() const { return entries_; }
@@ -74,7 +76,24 @@ class DoorbellRing {
   const uint32_t entries_;
   const Options options_;
   std::atomic<int> stop_{kRun};
+  std::atomic<uint32_t> posted_{0};  // the last Publish's tail
   std::atomic<uint64_t> sleeps_{0};
+};
+
+// Since when a ring's client has left posted completions unconsumed, for the stream stall
+// rule (--stream_stall_timeout_s): a ring's answer to a byte stream's pending write.
+// Observed now and then by one thread (housekeeping, under the stream's lock).
+class CompletionWatch {
+ public:
+  // `consumed`: the client's cq_head; `posted`: completions published. InfiniteFuture
+  // while nothing waits; else the first observation of the client's current cq_head
+  // with completions waiting (any progress starts the clock again).
+  absl::Time Observe(uint32_t consumed, uint32_t posted, absl::Time now);
+
+ private:
+  bool waiting_ = false;
+  uint32_t consumed_ = 0;
+  absl::Time since_;
 };
 
 }  // namespace latentd::server::dataplane

@@ -135,7 +135,8 @@ TEST(DoorbellRing, UnconsumedCompletionsBoundWhatItTakes) {
   r.memory.Publish(4, 6, 4);
   absl::SleepFor(absl::Milliseconds(20));
   EXPECT_EQ(r.sq_head(), 4u);
-  r.memory.header()->cq_head.store(1);  // one consumed: room for one
+  r.ring.Publish(4);                     // the four are answered,
+  r.memory.header()->cq_head.store(1);  // and one consumed: room for one
   ASSERT_TRUE(Eventually([&] { return r.sq_head() == 5; }));
   r.memory.header()->cq_head.store(4);
   ASSERT_TRUE(Eventually([&] { return r.sq_head() == 6; }));
@@ -206,6 +207,60 @@ TEST(DoorbellRing, PublishStoresTheTailOfWrittenCompletions) {
   const auto* cq = reinterpret_cast<const ring::CqEntry*>(m.base + ring::CqOffset(4));
   EXPECT_EQ(cq[0].request_id, 54u);
   EXPECT_EQ(cq[3].request_id, 53u);
+}
+
+// A completion head ahead of what was posted would leave the ring waiting for room
+// that never comes; one that moves back would hand out entries still unread.
+TEST(DoorbellRing, CompletionHeadPastThePostedFailsTheStream) {
+  Running r(4, 16);
+  r.memory.Publish(0, 1, 4);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 1; }));
+  r.ring.Publish(1);
+  r.memory.header()->cq_head.store(7);
+  r.memory.Publish(1, 2, 4);
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  const absl::Status st = r.stream.failed();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message().rfind("ring.cq_head: 7; expected from 0 (completions consumed before) to 1", 0), 0u) << st;
+  EXPECT_EQ(r.sq_head(), 1u);
+}
+
+TEST(DoorbellRing, CompletionHeadMovingBackFailsTheStream) {
+  Running r(4, 16);
+  r.memory.Publish(0, 2, 4);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 2; }));
+  r.ring.Publish(2);
+  r.memory.header()->cq_head.store(2);
+  r.memory.Publish(2, 3, 4);  // taken with cq_head 2 checked
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 3; }));
+  r.memory.header()->cq_head.store(1);
+  r.memory.Publish(3, 4, 4);
+  ASSERT_TRUE(Eventually([&] { return r.returned.load(); }));
+  EXPECT_EQ(r.stream.failed().message().rfind("ring.cq_head: 1; expected from 2", 0), 0u) << r.stream.failed();
+}
+
+TEST(CompletionWatch, NothingWaitingIsNeverStalled) {
+  CompletionWatch w;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  EXPECT_EQ(w.Observe(0, 0, t0), absl::InfiniteFuture());
+  EXPECT_EQ(w.Observe(5, 5, t0 + absl::Hours(1)), absl::InfiniteFuture());
+}
+
+TEST(CompletionWatch, WaitingCompletionsStallFromTheFirstObservation) {
+  CompletionWatch w;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  EXPECT_EQ(w.Observe(0, 3, t0), t0);
+  EXPECT_EQ(w.Observe(0, 3, t0 + absl::Seconds(5)), t0);
+  EXPECT_EQ(w.Observe(0, 9, t0 + absl::Seconds(9)), t0);  // more posted, none consumed
+}
+
+TEST(CompletionWatch, ProgressRestartsTheClock) {
+  CompletionWatch w;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  EXPECT_EQ(w.Observe(0, 3, t0), t0);
+  EXPECT_EQ(w.Observe(1, 3, t0 + absl::Seconds(2)), t0 + absl::Seconds(2));
+  EXPECT_EQ(w.Observe(3, 3, t0 + absl::Seconds(3)), absl::InfiniteFuture());
+  EXPECT_EQ(w.Observe(3, 4, t0 + absl::Seconds(4)), t0 + absl::Seconds(4));
 }
 
 }  // namespace
