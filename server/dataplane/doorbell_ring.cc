@@ -48,7 +48,10 @@ void DoorbellRing::Run(Stream* stream) {
   const uint32_t n = entries_;
   uint32_t head = 0;
   uint32_t consumed = 0;  // the client's cq_head as last checked
-  absl::Time active = absl::Now();
+  // When the submission tail last moved. The spin follows real work only: a futex return
+  // (its timeout, a spurious wake, or any process of the user waking the word) finds
+  // nothing new and sleeps again, so an idle ring costs no core whoever wakes it.
+  absl::Time active = absl::InfinitePast();
   const absl::Duration spin = options_.spin;
   for (;;) {
     const int stop = stop_.load(std::memory_order_acquire);
@@ -70,7 +73,6 @@ void DoorbellRing::Run(Stream* stream) {
         ring::FutexWait(&h->sq_tail, tail, 5000);
       }
       h->server_waiting.store(0, std::memory_order_relaxed);
-      active = absl::Now();  // spin again after a wake-up: the next batch is likely near
       continue;
     }
     // Completions not yet consumed, as the client reports them. A head that moved back,

@@ -37,7 +37,9 @@ class DoorbellRing {
   };
 
   struct Options {
-    absl::Duration spin;       // how long the thread polls an idle ring before sleeping
+    // How long the thread polls for more after taking a batch, before it sleeps on the
+    // futex (a wake-up that brings nothing does not start it again).
+    absl::Duration spin;
     int64_t max_batch = 1024;  // entries one Take hands over at most
   };
 

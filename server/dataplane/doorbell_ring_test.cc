@@ -239,6 +239,26 @@ TEST(DoorbellRing, CompletionHeadMovingBackFailsTheStream) {
   EXPECT_EQ(r.stream.failed().message().rfind("ring.cq_head: 1; expected from 2", 0), 0u) << r.stream.failed();
 }
 
+// The spin follows a moved submission tail only: an idle ring sleeps at once, and
+// futex returns that bring nothing (timeouts, foreign wakes) put it back to sleep
+// instead of spinning. With a one-hour spin, any re-armed spin would stop the count.
+TEST(DoorbellRing, OnlyAMovedTailArmsTheSpin) {
+  Running r(8, 16, absl::Hours(1));
+  ring::Header* h = r.memory.header();
+  ASSERT_TRUE(Eventually([&] { return r.ring.sleeps() >= 1; })) << "an idle ring spun instead of sleeping";
+  for (int i = 0; i < 5; ++i) {
+    const uint64_t before = r.ring.sleeps();
+    ASSERT_TRUE(Eventually([&] { return h->server_waiting.load() == 1; }));
+    ring::FutexWake(&h->sq_tail);  // a wake with nothing published
+    ASSERT_TRUE(Eventually([&] { return r.ring.sleeps() > before; })) << "wake " << i << " re-armed the spin";
+  }
+  const uint64_t before = r.ring.sleeps();
+  r.memory.Publish(0, 1, 8);
+  ASSERT_TRUE(Eventually([&] { return r.sq_head() == 1; }));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_LE(r.ring.sleeps(), before + 1) << "a taken batch must arm the spin";
+}
+
 TEST(CompletionWatch, NothingWaitingIsNeverStalled) {
   CompletionWatch w;
   const absl::Time t0 = absl::FromUnixSeconds(1000);
