@@ -1023,9 +1023,34 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // travel between the region and the GPU with no staging copy. Costs about a touch
     // of every page, once per stream; 0 (staged copies) where not.
     region_device_ = service_->engine()->RegisterHostMemory(region_, bytes);
+    std::string path, ticket;
+    if (absl::Status st = HandOver(&region_file_, &path, &ticket); !st.ok()) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_region_bytes: cannot hand the region over: ", st.message()));
+    }
     absl::MutexLock l(&mu_);
-    region_reply_ = wire::EncodeRegionResponse(region_file_.ProcPath(), bytes);
+    region_reply_ = wire::EncodeRegionResponse(path, bytes, 0, HandoffSocket(ticket), ticket);
     return grpc::Status::OK;
+  }
+
+  // How the client gets `file`: with the handoff (ServiceOptions::handoff) a one-time
+  // ticket that only this stream's client sees, after which the daemon keeps no
+  // descriptor of the file; without, its /proc path. Fills *path or *ticket.
+  absl::Status HandOver(dataplane::SharedFile* file, std::string* path, std::string* ticket) {
+    dataplane::FdHandoff* handoff = service_->options().handoff;
+    if (handoff == nullptr) {
+      *path = file->ProcPath();
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::string> t = handoff->Offer(file->fd());
+    if (!t.ok()) return t.status();
+    file->CloseFd();
+    *ticket = *std::move(t);
+    tickets_.push_back(*ticket);
+    return absl::OkStatus();
+  }
+  std::string HandoffSocket(const std::string& ticket) const {
+    return ticket.empty() ? std::string() : service_->options().handoff->name();
   }
 
   // Same-host data plane on the GPU: the client's device allocation, opened through
@@ -1057,23 +1082,21 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     region_bytes_ = req.bytes;
     region_device_ = cuda_region_mem_.device();
     region_is_cuda_ = true;
-    std::string ring_path;
+    std::string ring_path, ticket;
     if (ring_entries > 0) {
-      absl::StatusOr<std::string> made = OpenRingFile(ring::RingBytes(static_cast<uint32_t>(ring_entries)));
-      if (!made.ok()) {
-        return grpc::Status(static_cast<grpc::StatusCode>(made.status().code()), std::string(made.status().message()));
-      }
-      ring_path = *std::move(made);
+      absl::Status made = OpenRingFile(ring::RingBytes(static_cast<uint32_t>(ring_entries)), &ring_path, &ticket);
+      if (!made.ok()) return ToGrpc(made);
     }
     absl::MutexLock l(&mu_);
-    region_reply_ = wire::EncodeRegionResponse(ring_path, req.bytes, ring_file_.bytes());
+    region_reply_ =
+        wire::EncodeRegionResponse(ring_path, req.bytes, ring_file_.bytes(), HandoffSocket(ticket), ticket);
     return grpc::Status::OK;
   }
 
   // A CUDA region's doorbell ring: host memory the device region cannot hold, as a
   // sealed memory file of its own (dataplane::SharedFile) charged to the regions' total.
   // The region is already set: the destructor frees both. Read side only.
-  absl::StatusOr<std::string> OpenRingFile(uint64_t bytes) {
+  absl::Status OpenRingFile(uint64_t bytes, std::string* path, std::string* ticket) {
     const ServiceOptions& o = service_->options();
     if (!service_->ChargeRegion(static_cast<int64_t>(bytes))) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -1087,7 +1110,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                        bytes, " bytes: ", file.status().message()));
     }
     ring_file_ = *std::move(file);
-    return ring_file_.ProcPath();
+    if (absl::Status st = HandOver(&ring_file_, path, ticket); !st.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("DecodeRequest.region_ring_entries: cannot hand the ring over: ", st.message()));
+    }
+    return absl::OkStatus();
   }
 
   // Doorbell ring (dataplane::DoorbellRing). Called on the read side right after the
@@ -1272,6 +1299,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
     if (!ring_file_.empty()) service_->ReleaseRegion(static_cast<int64_t>(ring_file_.bytes()));
+    // Offers the client never collected.
+    for (const std::string& t : tickets_) service_->options().handoff->Withdraw(t);
   }
 
   DecodeServiceImpl* const service_;
@@ -1292,6 +1321,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   char* region_ = nullptr;
   // A CUDA region's ring lives in a memory file of its own (OpenRingFile).
   dataplane::SharedFile ring_file_;
+  std::vector<std::string> tickets_;  // handoff offers of region_file_ and ring_file_ (HandOver)
   // Its doorbell ring (DecodeRequest.region_ring_entries): set on the read side before
   // the ring's thread starts, then fixed.
   std::unique_ptr<dataplane::DoorbellRing> ring_;

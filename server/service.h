@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/dataplane/fd_handoff.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/latentd.grpc.pb.h"
 
@@ -49,6 +50,10 @@ struct ServiceOptions {
   // streams (each has a thread of the daemon polling it while the stream lasts), and how
   // long that thread spins on an idle ring before it sleeps on its futex (a sleeping
   // ring costs the client a futex wake per submission, and 20-30 us of wake-up).
+  // Where region files go to their stream's client (SharedRegion.ticket), owned by the
+  // caller and outliving the service. Null: regions are named by /proc paths instead,
+  // which any process of the daemon's user can open (--data_plane_proc_paths).
+  dataplane::FdHandoff* handoff = nullptr;
   int max_rings = 64;
   // Of those, rings one connection (gRPC peer) may hold; at most max_rings.
   int max_rings_per_connection = 16;

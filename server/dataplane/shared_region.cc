@@ -56,6 +56,11 @@ void SharedFile::Reset() {
   bytes_ = 0;
 }
 
+void SharedFile::CloseFd() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+}
+
 std::string SharedFile::ProcPath() const { return absl::StrCat("/proc/", getpid(), "/fd/", fd_); }
 
 }  // namespace latentd::server::dataplane

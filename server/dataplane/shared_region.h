@@ -29,8 +29,11 @@ class SharedFile {
   char* data() const { return map_; }
   uint64_t bytes() const { return bytes_; }
   int fd() const { return fd_; }
-  // The path a process on this host opens the file by.
+  // The path a process on this host opens the file by (while fd() is open).
   std::string ProcPath() const;
+  // Closes the descriptor, keeping the mapping: once the file was handed to its client,
+  // the daemon holds no way of giving it to anyone else.
+  void CloseFd();
 
  private:
   SharedFile(int fd, char* map, uint64_t bytes) : fd_(fd), map_(map), bytes_(bytes) {}
