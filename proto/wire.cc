@@ -4,6 +4,7 @@
 #include "proto/wire.h"
 
 #include <climits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -24,7 +25,7 @@ constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
               kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
 constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2,
-              kRegionRingBytes = 3;
+              kRegionRingBytes = 3, kRegionHandoffSocket = 4, kRegionTicket = 5;
 constexpr int kRequestRingEntries = 4;
 constexpr int kRequestOpenCudaRegion = 3, kCudaHandle = 1, kCudaOffset = 2, kCudaBytes = 3;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
@@ -308,10 +309,14 @@ absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* stre
   return absl::OkStatus();
 }
 
-std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes) {
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes,
+                                 const std::string& handoff_socket, const std::string& ticket) {
   size_t body = 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(path.size())) + path.size() + 1 +
                 CodedOutputStream::VarintSize64(bytes);
   if (ring_bytes != 0) body += 1 + CodedOutputStream::VarintSize64(ring_bytes);
+  for (const std::string* f : {&handoff_socket, &ticket}) {
+    if (!f->empty()) body += 1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(f->size())) + f->size();
+  }
   std::string out(1 + CodedOutputStream::VarintSize32(static_cast<uint32_t>(body)) + body, '\0');
   uint8_t* p = reinterpret_cast<uint8_t*>(&out[0]);
   p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kResponseRegion, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
@@ -323,7 +328,14 @@ std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64
   p = CodedOutputStream::WriteVarint64ToArray(bytes, p);
   if (ring_bytes != 0) {
     p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(kRegionRingBytes, WireFormatLite::WIRETYPE_VARINT), p);
-    CodedOutputStream::WriteVarint64ToArray(ring_bytes, p);
+    p = CodedOutputStream::WriteVarint64ToArray(ring_bytes, p);
+  }
+  const std::pair<int, const std::string*> strings[] = {{kRegionHandoffSocket, &handoff_socket},
+                                                        {kRegionTicket, &ticket}};
+  for (const auto& [field, value] : strings) {
+    if (value->empty()) continue;
+    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED), p);
+    p = CodedOutputStream::WriteStringWithSizeToArray(*value, p);
   }
   return out;
 }

@@ -106,8 +106,10 @@ struct ResultView {
   const Timing* timing = nullptr;  // written when set
 };
 
-// A DecodeResponse holding only `region` {path, bytes, ring_bytes (written when not 0)}.
-std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes = 0);
+// A DecodeResponse holding only `region` {path, bytes, ring_bytes, handoff_socket,
+// ticket (each of the last three written when not 0 or empty)}.
+std::string EncodeRegionResponse(const std::string& path, uint64_t bytes, uint64_t ring_bytes = 0,
+                                 const std::string& handoff_socket = {}, const std::string& ticket = {});
 
 // A successful result laid out before its step runs (zero-copy responses): the engine
 // writes out straight into the response buffer. Offsets count from the result's start.

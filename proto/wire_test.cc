@@ -375,6 +375,14 @@ TEST(WireTest, RegionFieldsAndResponse) {
   EXPECT_EQ(resp.region().path(), "/proc/1/fd/9");
   EXPECT_EQ(resp.region().bytes(), uint64_t{1} << 35);
   EXPECT_EQ(resp.region().ring_bytes(), 73728u);
+  // Handed over: no path, the socket and the ticket (binary bytes).
+  const std::string ticket("\0\x01\xff ticket-bytes-16", 16);
+  ASSERT_TRUE(resp.ParseFromString(EncodeRegionResponse("", 4096, 0, "@latentd-1-00ab", ticket)));
+  EXPECT_EQ(resp.region().path(), "");
+  EXPECT_EQ(resp.region().bytes(), 4096u);
+  EXPECT_EQ(resp.region().ring_bytes(), 0u);
+  EXPECT_EQ(resp.region().handoff_socket(), "@latentd-1-00ab");
+  EXPECT_EQ(resp.region().ticket(), ticket);
 }
 
 TEST(WireTest, CudaRegionFields) {

@@ -5,8 +5,11 @@
 // 2 bad flags or start-up failure; 128 + signal (130, 143) on a second signal mid-drain.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +40,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
+#include "server/dataplane/fd_handoff.h"
 #include "server/lock_order.h"
 #include "server/metrics_exporter.h"
 #include "server/presets.h"
@@ -124,6 +128,17 @@ ABSL_FLAG(int64_t, max_region_total_bytes, int64_t{8} << 30,
 ABSL_FLAG(int, max_rings, 64,
           "doorbell rings (DecodeRequest.region_ring_entries) open at once over all streams; each has a "
           "daemon thread polling it while its stream lasts; beyond it opening one fails RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, data_plane_socket, "",
+          "Unix socket on which shared regions' memory files go to their stream's client, each for a "
+          "one-time ticket in its Decode response (a path, made mode 0600, or @name in the abstract "
+          "namespace; empty: @latentd-<pid>-<random>)");
+ABSL_FLAG(bool, data_plane_proc_paths, false,
+          "name shared regions by /proc/<pid>/fd paths instead of handing them over, for clients older than "
+          "the ticket handoff; any process of the daemon's user can then open every region, and the daemon "
+          "stays dumpable (core dumps, ptrace)");
+ABSL_FLAG(int, max_rings_per_connection, 16,
+          "of --max_rings, rings one client connection may hold at once (1 to 4096; above --max_rings it is "
+          "--max_rings), so one client cannot take every ring; beyond it opening one fails RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, ring_spin_us, 1000,
           "how long a ring's thread spins on an idle ring before sleeping on its futex (0: sleep at once; "
           "a spin costs a core while it lasts, a sleep 20-30 us of wake-up for the next submission)");
@@ -401,6 +416,10 @@ int Run() {
   so.max_rings = absl::GetFlag(FLAGS_max_rings);
   so.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
   if (so.max_rings < 0) return Fail("--max_rings: expected >= 0 (0: no doorbell rings)");
+  const int rings_per_connection = absl::GetFlag(FLAGS_max_rings_per_connection);
+  if (rings_per_connection < 1 || rings_per_connection > 4096)
+    return Fail("--max_rings_per_connection: expected 1 to 4096");
+  so.max_rings_per_connection = std::min(rings_per_connection, so.max_rings);
   if (so.ring_spin_us < 0 || so.ring_spin_us > 1000000)
     return Fail("--ring_spin_us: expected 0 to 1000000 microseconds");
   const int max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
@@ -408,6 +427,27 @@ int Run() {
   const int64_t grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   if (grpc_memory_bytes < (int64_t{64} << 20)) return Fail("--grpc_memory_bytes: expected at least 64 MiB");
   so.version = kVersion;
+  // Regions go only to their stream's client (dataplane::FdHandoff), and the daemon is
+  // made non-dumpable, so that no other non-root process of its user can take them
+  // from /proc/<pid>/fd (or read its memory: /proc/<pid>/mem, process_vm_readv, ptrace).
+  // It also means no core dumps (unless fs.suid_dumpable is 2) and that a debugger or
+  // profiler must attach as root.
+  std::unique_ptr<dataplane::FdHandoff> handoff;
+  if (!absl::GetFlag(FLAGS_data_plane_proc_paths)) {
+    std::string name = absl::GetFlag(FLAGS_data_plane_socket);
+    if (name.empty()) {
+      // Random too: abstract names are per network namespace, pids per pid namespace, so
+      // two daemons in containers sharing a network would otherwise meet.
+      uint32_t salt = 0;
+      if (getrandom(&salt, sizeof(salt), 0) != sizeof(salt)) return Fail("getrandom failed");
+      name = absl::StrCat("@latentd-", getpid(), "-", absl::Hex(salt, absl::kZeroPad8));
+    }
+    absl::StatusOr<std::unique_ptr<dataplane::FdHandoff>> made = dataplane::FdHandoff::Listen(name);
+    if (!made.ok()) return Fail(absl::StrCat("--data_plane_socket: ", made.status().message()));
+    handoff = *std::move(made);
+    so.handoff = handoff.get();
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) return Fail("cannot make the daemon non-dumpable (prctl)");
+  }
   DecodeServiceImpl service(engine.get(), so);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -5,7 +5,6 @@
 // allocates one buffer per response and nothing per step.
 #include "server/service.h"
 
-#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -25,6 +24,10 @@
 #include "grpcpp/support/slice.h"
 #include "kernels/params.h"
 #include "server/auth.h"
+#include "server/dataplane/cuda_region.h"
+#include "server/dataplane/doorbell_ring.h"
+#include "server/dataplane/region_layout.h"
+#include "server/dataplane/shared_region.h"
 #include "proto/ring.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -74,28 +77,6 @@ v1::DType ToProto(kernels::DType d) { return d == kernels::DType::kFP16 ? v1::FP
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-// A sealed memory file of `bytes` bytes (it can neither shrink, which would make the
-// server's reads fault, nor grow), mapped read-write here; a client on this host opens
-// it through /proc/<pid>/fd/<fd>. The errno on failure, with nothing left open.
-struct SharedFile {
-  int fd = -1;
-  char* map = nullptr;
-};
-absl::StatusOr<SharedFile> MakeSharedFile(const char* name, uint64_t bytes) {
-  const int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  void* map = MAP_FAILED;
-  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
-    map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
-  if (map == MAP_FAILED) {
-    const int err = errno;
-    if (fd >= 0) close(fd);
-    return absl::ResourceExhaustedError(strerror(err));
-  }
-  return SharedFile{fd, static_cast<char*>(map)};
 }
 
 bool IsValidSequenceId(absl::string_view id) {
@@ -252,14 +233,21 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Act(p);
   }
 
-  // Cancels the stream if a response write has been pending since before `cutoff`: the
+  // Cancels the stream if a response write has been pending since before `cutoff`, or
+  // its ring's completions have waited since then with the client consuming none: the
   // client stopped reading, and flow control would hold this stream (its slots and
   // results) until the client's deadline, or for ever without one. Returns true if so.
   // The caller holds a reference.
   bool CancelIfStalled(absl::Time cutoff) {
     {
       absl::MutexLock l(&mu_);
-      if (finished_ || !writing_ || write_started_ >= cutoff || cancelling_) return false;
+      if (finished_ || cancelling_) return false;
+      const bool write_stalled = writing_ && write_started_ < cutoff;
+      // ring_ is set before ring_running_ (under mu_), and fixed from then on.
+      const bool ring_stalled =
+          ring_running_ &&
+          ring_watch_.Observe(ring_->header()->cq_head.load(std::memory_order_acquire), cq_tail_, absl::Now()) < cutoff;
+      if (!write_stalled && !ring_stalled) return false;
       // No Finish until TryCancel has returned: the context lives until OnDone, which
       // only follows Finish. mu_ is not held across TryCancel, whose reactions (OnCancel,
       // OnWriteDone) may run inline on this thread.
@@ -402,11 +390,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (ring_running_) {
       // The ring's thread stops at once when the stream cannot go on, and after taking
       // what the client has published when the client has half-closed it.
-      const int stop = (gone || draining_ || !fatal_.ok()) ? kRingStopNow : (over ? kRingStopDrained : kRingRun);
-      if (stop > ring_stop_.load(std::memory_order_relaxed)) {
-        ring_stop_.store(stop, std::memory_order_release);
-        ring::FutexWake(&ring_->sq_tail);
-      }
+      ring_->RequestStop((gone || draining_ || !fatal_.ok()) ? dataplane::DoorbellRing::kNow
+                         : over                              ? dataplane::DoorbellRing::kDrained
+                                                             : dataplane::DoorbellRing::kRun);
     }
     const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
                       !submitting_ && !processing_ && (region_reply_.empty() || gone) && !ring_running_;
@@ -761,11 +747,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                           absl::StrCat("DecodeRequest.open_region_bytes: ", open_region, "; expected at least the ",
                                        ring_bytes, " bytes a ring of ", ring_entries, " entries takes"));
         }
-        if (region_ == nullptr && !service_->ChargeRing()) {
-          return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("DecodeRequest.region_ring_entries: doorbell rings of all streams are at "
-                                       "--max_rings=",
-                                       o.max_rings, "; retry later, or send steps in DecodeRequest messages"));
+        if (region_ == nullptr) {
+          ring_peer_ = ctx_->peer();
+          if (absl::Status charged = service_->ChargeRing(ring_peer_); !charged.ok()) {
+            return SetFatal(grpc::StatusCode::RESOURCE_EXHAUSTED, charged.message());
+          }
         }
       }
       if (open_region > 0 || cuda_region_.present) {
@@ -776,7 +762,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           if (st.ok()) {
             StartRing(static_cast<uint32_t>(ring_entries));
           } else {
-            service_->ReleaseRing();
+            service_->ReleaseRing(ring_peer_);
           }
         }
         if (!st.ok()) return SetFatal(st.error_code(), st.error_message());
@@ -1003,8 +989,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                 st.message()));
   }
 
-  // Same-host data plane: a sealed memory file of `bytes` bytes (MakeSharedFile), mapped
-  // here for the stream's life. Read side only.
+  // Same-host data plane: a sealed memory file of `bytes` bytes (dataplane::SharedFile),
+  // mapped here for the stream's life. Read side only.
   grpc::Status OpenRegion(uint64_t bytes) {
     const ServiceOptions& o = service_->options();
     if (region_ != nullptr) {
@@ -1023,52 +1009,62 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                        "--max_region_total_bytes=",
                                        o.max_region_total_bytes, "; retry later or ask for less"));
     }
-    absl::StatusOr<SharedFile> file = MakeSharedFile("latentd-region", bytes);
+    absl::StatusOr<dataplane::SharedFile> file = dataplane::SharedFile::Make("latentd-region", bytes);
     if (!file.ok()) {
       service_->ReleaseRegion(static_cast<int64_t>(bytes));
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           absl::StrCat("DecodeRequest.open_region_bytes: cannot make a shared region of ", bytes,
                                        " bytes: ", file.status().message()));
     }
-    const int fd = file->fd;
-    region_fd_ = fd;
-    region_ = file->map;
+    region_file_ = *std::move(file);
+    region_ = region_file_.data();
     region_bytes_ = bytes;
     // Pinned and mapped for the device where the backend can (CUDA): its steps then
     // travel between the region and the GPU with no staging copy. Costs about a touch
     // of every page, once per stream; 0 (staged copies) where not.
     region_device_ = service_->engine()->RegisterHostMemory(region_, bytes);
+    std::string path, ticket;
+    if (absl::Status st = HandOver(&region_file_, &path, &ticket); !st.ok()) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("DecodeRequest.open_region_bytes: cannot hand the region over: ", st.message()));
+    }
     absl::MutexLock l(&mu_);
-    region_reply_ = wire::EncodeRegionResponse(absl::StrCat("/proc/", getpid(), "/fd/", fd), bytes);
+    region_reply_ = wire::EncodeRegionResponse(path, bytes, 0, HandoffSocket(ticket), ticket);
     return grpc::Status::OK;
   }
 
+  // How the client gets `file`: with the handoff (ServiceOptions::handoff) a one-time
+  // ticket that only this stream's client sees, after which the daemon keeps no
+  // descriptor of the file; without, its /proc path. Fills *path or *ticket.
+  absl::Status HandOver(dataplane::SharedFile* file, std::string* path, std::string* ticket) {
+    dataplane::FdHandoff* handoff = service_->options().handoff;
+    if (handoff == nullptr) {
+      *path = file->ProcPath();
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::string> t = handoff->Offer(file->fd());
+    if (!t.ok()) return t.status();
+    file->CloseFd();
+    *ticket = *std::move(t);
+    tickets_.push_back(*ticket);
+    return absl::OkStatus();
+  }
+  std::string HandoffSocket(const std::string& ticket) const {
+    return ticket.empty() ? std::string() : service_->options().handoff->name();
+  }
+
   // Same-host data plane on the GPU: the client's device allocation, opened through
-  // CUDA IPC for the stream's life. Host-side, region_ is then an inaccessible
-  // reservation of the same size: steps' pointers are computed from it (and validated
-  // against it) like a shared file's, but only the device ever touches the memory
-  // (Engine::OpenDeviceMemory). Read side only.
+  // CUDA IPC for the stream's life (dataplane::CudaRegion). Read side only.
   grpc::Status OpenCudaRegion(const wire::CudaRegionFields& req, uint64_t ring_entries) {
     const ServiceOptions& o = service_->options();
     if (region_ != nullptr) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "DecodeRequest.open_cuda_region: this stream already has a region; open one per stream");
     }
-    if (req.handle_bytes != wire::CudaRegionFields::kMaxIpcHandleBytes) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("DecodeRequest.open_cuda_region.ipc_handle: ", req.handle_bytes,
-                                       " bytes; expected ", wire::CudaRegionFields::kMaxIpcHandleBytes,
-                                       " (a cudaIpcMemHandle_t from cudaIpcGetMemHandle)"));
-    }
-    if (req.bytes == 0) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "DecodeRequest.open_cuda_region.bytes: 0; expected the region's size in bytes");
-    }
-    if (req.bytes > static_cast<uint64_t>(o.max_region_bytes)) {
-      service_->refused_regions_.fetch_add(1, std::memory_order_relaxed);
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("DecodeRequest.open_cuda_region.bytes: ", req.bytes,
-                                       " bytes is over --max_region_bytes=", o.max_region_bytes));
+    if (absl::Status st = dataplane::CudaRegion::CheckRequest(req, o.max_region_bytes); !st.ok()) {
+      if (st.code() == absl::StatusCode::kResourceExhausted)
+        service_->refused_regions_.fetch_add(1, std::memory_order_relaxed);
+      return ToGrpc(st);
     }
     if (!service_->ChargeRegion(static_cast<int64_t>(req.bytes))) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -1076,73 +1072,62 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                        "--max_region_total_bytes=",
                                        o.max_region_total_bytes, "; retry later or ask for less"));
     }
-    absl::StatusOr<engine::DeviceMemory> mem =
-        service_->engine()->OpenDeviceMemory(req.handle, req.offset, req.bytes);
-    void* reservation = MAP_FAILED;
-    if (mem.ok()) {
-      reservation = mmap(nullptr, req.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    }
-    if (!mem.ok() || reservation == MAP_FAILED) {
-      if (mem.ok()) service_->engine()->CloseDeviceMemory(*mem);
+    absl::StatusOr<dataplane::CudaRegion> opened = dataplane::CudaRegion::Open(service_->engine(), req);
+    if (!opened.ok()) {
       service_->ReleaseRegion(static_cast<int64_t>(req.bytes));
-      if (!mem.ok()) {
-        return grpc::Status(static_cast<grpc::StatusCode>(mem.status().code()),
-                            absl::StrCat("DecodeRequest.", mem.status().message()));
-      }
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "DecodeRequest.open_cuda_region: cannot reserve host address space for the region");
+      return ToGrpc(opened.status());
     }
-    region_ = static_cast<char*>(reservation);
+    cuda_region_mem_ = *std::move(opened);
+    region_ = cuda_region_mem_.host();
     region_bytes_ = req.bytes;
-    region_device_ = mem->address;
-    region_memory_ = *mem;
+    region_device_ = cuda_region_mem_.device();
     region_is_cuda_ = true;
-    std::string ring_path;
+    std::string ring_path, ticket;
     if (ring_entries > 0) {
-      absl::StatusOr<std::string> made = OpenRingFile(ring::RingBytes(static_cast<uint32_t>(ring_entries)));
-      if (!made.ok()) {
-        return grpc::Status(static_cast<grpc::StatusCode>(made.status().code()), std::string(made.status().message()));
-      }
-      ring_path = *std::move(made);
+      absl::Status made = OpenRingFile(ring::RingBytes(static_cast<uint32_t>(ring_entries)), &ring_path, &ticket);
+      if (!made.ok()) return ToGrpc(made);
     }
     absl::MutexLock l(&mu_);
-    region_reply_ = wire::EncodeRegionResponse(ring_path, req.bytes, ring_file_bytes_);
+    region_reply_ =
+        wire::EncodeRegionResponse(ring_path, req.bytes, ring_file_.bytes(), HandoffSocket(ticket), ticket);
     return grpc::Status::OK;
   }
 
   // A CUDA region's doorbell ring: host memory the device region cannot hold, as a
-  // sealed memory file of its own (MakeSharedFile) charged to the regions' total.
+  // sealed memory file of its own (dataplane::SharedFile) charged to the regions' total.
   // The region is already set: the destructor frees both. Read side only.
-  absl::StatusOr<std::string> OpenRingFile(uint64_t bytes) {
+  absl::Status OpenRingFile(uint64_t bytes, std::string* path, std::string* ticket) {
     const ServiceOptions& o = service_->options();
     if (!service_->ChargeRegion(static_cast<int64_t>(bytes))) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "DecodeRequest.region_ring_entries: the ring's ", bytes, " bytes of host memory would put regions of all "
           "streams over --max_region_total_bytes=", o.max_region_total_bytes, "; retry later or ask for fewer entries"));
     }
-    absl::StatusOr<SharedFile> file = MakeSharedFile("latentd-ring", bytes);
+    absl::StatusOr<dataplane::SharedFile> file = dataplane::SharedFile::Make("latentd-ring", bytes);
     if (!file.ok()) {
       service_->ReleaseRegion(static_cast<int64_t>(bytes));
       return absl::ResourceExhaustedError(absl::StrCat("DecodeRequest.region_ring_entries: cannot make a ring of ",
                                                        bytes, " bytes: ", file.status().message()));
     }
-    ring_fd_ = file->fd;
-    ring_file_ = file->map;
-    ring_file_bytes_ = bytes;
-    return absl::StrCat("/proc/", getpid(), "/fd/", ring_fd_);
+    ring_file_ = *std::move(file);
+    if (absl::Status st = HandOver(&ring_file_, path, ticket); !st.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("DecodeRequest.region_ring_entries: cannot hand the ring over: ", st.message()));
+    }
+    return absl::OkStatus();
   }
 
-  // Doorbell ring (server/ring.h). Called on the read side right after the region was
-  // opened, before its answer is written: the ring's thread holds a reference (lifetime
-  // rule) until it has stopped, and the stream does not finish while it runs.
+  // Doorbell ring (dataplane::DoorbellRing). Called on the read side right after the
+  // region was opened, before its answer is written: the ring's thread holds a reference
+  // (lifetime rule) until it has stopped, and the stream does not finish while it runs.
   void StartRing(uint32_t entries) {
     // In a file of its own beside a CUDA region; else at the start of the shared region,
     // whose tensors then lie after it.
-    ring_base_ = ring_file_ != nullptr ? ring_file_ : region_;
-    ring_ = reinterpret_cast<ring::Header*>(ring_base_);
-    ring_entries_ = entries;
-    ring_bytes_ = ring_file_ != nullptr ? 0 : ring::RingBytes(entries);
-    ring_->entries = entries;  // the memory file is fresh: every counter starts at 0
+    char* base = ring_file_.empty() ? region_ : ring_file_.data();
+    ring_bytes_ = ring_file_.empty() ? ring::RingBytes(entries) : 0;
+    const ServiceOptions& o = service_->options();
+    ring_ = std::make_unique<dataplane::DoorbellRing>(
+        base, entries, dataplane::DoorbellRing::Options{absl::Microseconds(o.ring_spin_us), o.max_steps_per_message});
     {
       absl::MutexLock l(&mu_);
       ring_running_ = true;
@@ -1151,69 +1136,31 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::thread([this] { RingLoop(); }).detach();
   }
 
-  // The ring's thread: takes what the client publishes, in batches of at most a
-  // message's worth of steps (each batch one SubmitBatch, like one DecodeRequest),
-  // while the completion queue and the stream have room for their results. Spins for
-  // --ring_spin_us after the last batch, then sleeps on the futex of sq_tail.
-  void RingLoop() {
-    const ServiceOptions& o = service_->options();
-    ring::Header* const h = ring_;
-    const uint32_t n = ring_entries_;
-    uint32_t head = 0;
-    absl::Time active = absl::Now();
-    const absl::Duration spin = absl::Microseconds(o.ring_spin_us);
-    for (;;) {
-      const int stop = ring_stop_.load(std::memory_order_acquire);
-      if (stop == kRingStopNow) break;
-      const uint32_t tail = h->sq_tail.load(std::memory_order_acquire);
-      const uint32_t avail = tail - head;
-      if (avail > n) {
-        SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                 absl::StrCat("ring.sq_tail: ", tail, " is ", avail, " entries past sq_head ", head,
-                              "; expected at most the ring's ", n, " entries"));
-        PlanAndAct();
-        break;
-      }
-      if (avail == 0) {
-        if (stop == kRingStopDrained) break;
-        if (absl::Now() - active < spin) continue;
-        h->server_waiting.store(1, std::memory_order_seq_cst);
-        if (h->sq_tail.load(std::memory_order_seq_cst) == tail &&
-            ring_stop_.load(std::memory_order_acquire) == kRingRun) {
-          ring::FutexWait(&h->sq_tail, tail, 5000);
-        }
-        h->server_waiting.store(0, std::memory_order_relaxed);
-        active = absl::Now();  // spin again after a wake-up: the next batch is likely near
-        continue;
-      }
-      // Completions not yet consumed, as the client reports them (a client that lies
-      // only overwrites its own completion queue).
-      const uint32_t unconsumed = std::min(n, head - h->cq_head.load(std::memory_order_acquire));
-      if (unconsumed == n && stop == kRingStopDrained) {
-        // Half-closed with its completion queue full: a client that no longer reads
-        // would hold the stream open for ever. What was not taken was never
-        // acknowledged (sq_head says how far the server got).
-        break;
-      }
-      int64_t room = std::min<int64_t>({int64_t{avail}, int64_t{n - unconsumed}, o.max_steps_per_message});
-      {
-        absl::MutexLock l(&mu_);
-        const int64_t open = inflight_ + held_ + static_cast<int64_t>(done_.size() + deferred_.size());
-        room = std::min<int64_t>(room, o.max_stream_inflight - open);
-      }
-      if (room <= 0) {
-        // Waits for results to come back (the engine's doing) or to be consumed (the
-        // client's): briefly at first, then without burning the core.
-        absl::SleepFor(absl::Now() - active < spin ? absl::Microseconds(20) : absl::Milliseconds(1));
-        continue;
-      }
-      TakeRing(head, static_cast<uint32_t>(room));
-      head += static_cast<uint32_t>(room);
-      h->sq_head.store(head, std::memory_order_release);
-      active = absl::Now();
+  // What the ring's thread asks of this stream (dataplane::DoorbellRing::Stream): room
+  // under max_stream_inflight, the steps it takes (TakeRing), and the end of the stream
+  // when the client breaks the ring's contract.
+  class RingFeed final : public dataplane::DoorbellRing::Stream {
+   public:
+    explicit RingFeed(DecodeReactor* r) : r_(r) {}
+    int64_t Room() override {
+      absl::MutexLock l(&r_->mu_);
+      const int64_t open = r_->inflight_ + r_->held_ + static_cast<int64_t>(r_->done_.size() + r_->deferred_.size());
+      return r_->service_->options().max_stream_inflight - open;
     }
-    h->closed.store(1, std::memory_order_seq_cst);
-    ring::FutexWake(&h->cq_tail);
+    void Take(uint32_t head, uint32_t count) override { r_->TakeRing(head, count); }
+    void Fail(absl::Status status) override {
+      r_->SetFatal(static_cast<grpc::StatusCode>(status.code()), status.message());
+      r_->PlanAndAct();
+    }
+
+   private:
+    DecodeReactor* const r_;
+  };
+
+  // The ring's thread: DoorbellRing::Run until it stops, then the stream may finish.
+  void RingLoop() {
+    RingFeed feed(this);
+    ring_->Run(&feed);
     {
       absl::MutexLock l(&mu_);
       ring_running_ = false;
@@ -1241,11 +1188,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       absl::MutexLock l(&mu_);
       TakeSlotsLocked(static_cast<int>(take), &ring_batch_);
     }
-    const char* sq = ring_base_ + ring::SqOffset();
     for (uint32_t i = 0; i < take; ++i) {
       Slot* slot = ring_batch_[i];
-      ring::SqEntry e;
-      std::memcpy(&e, sq + static_cast<size_t>((head + i) & (ring_entries_ - 1)) * sizeof(ring::SqEntry), sizeof(e));
+      const ring::SqEntry e = ring_->Entry(head + i);
       wire::StepFields f;
       f.request_id = e.request_id;
       f.layer = e.layer;
@@ -1287,14 +1232,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // A ring group's results: one completion entry each, published with one store of
   // cq_tail (and a futex wake if the client sleeps), and the slots taken back.
   void PostLocked(Group* g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    char* cq = ring_base_ + ring::CqOffset(ring_entries_);
     const absl::Time now = absl::Now();
     uint64_t delivered = 0;
     for (Slot* s = g->held; s != nullptr;) {
       Slot* next = s->group_next;
       s->group_next = nullptr;
-      ring::CqEntry* c =
-          reinterpret_cast<ring::CqEntry*>(cq + static_cast<size_t>(cq_tail_ & (ring_entries_ - 1)) * sizeof(ring::CqEntry));
+      ring::CqEntry* c = ring_->Completion(cq_tail_);
       c->request_id = s->request_id;
       c->code = s->code;
       const size_t m = std::min<size_t>(s->message.size(), ring::kMaxMessage);
@@ -1318,8 +1261,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     g->held = nullptr;
     service_->results_delivered_.fetch_add(delivered, std::memory_order_relaxed);
-    ring_->cq_tail.store(cq_tail_, std::memory_order_seq_cst);
-    if (ring_->client_waiting.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&ring_->cq_tail);
+    ring_->Publish(cq_tail_);
   }
 
   // A step whose tensors are in the region: every tensor inside it and aligned.
@@ -1332,31 +1274,11 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
       st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
     }
-    if (st.ok() && (in.region_s_q < 1 || in.region_s_q > static_cast<uint32_t>(sh.max_s_q))) {
-      st = absl::InvalidArgumentError(
-          absl::StrCat("region.s_q: ", in.region_s_q, "; expected 1 <= s_q <= ", sh.max_s_q));
-    }
-    const uint64_t s_q = in.region_s_q;
-    struct Tensor {
-      const char* name;
-      uint64_t offset, bytes, align;
-    };
-    const Tensor tensors[] = {
-        {"region.q_offset", in.q_offset, s_q * static_cast<uint64_t>(sh.q_row_bytes), 2},
-        {"region.kv_offset", in.kv_offset, s_q * static_cast<uint64_t>(sh.kv_row_bytes), 2},
-        {"region.out_offset", in.out_offset, s_q * static_cast<uint64_t>(sh.out_row_bytes), 2},
-        {"region.lse_offset", in.lse_offset, s_q * static_cast<uint64_t>(sh.lse_row_bytes), 4},
-    };
-    for (const Tensor& t : tensors) {
-      if (!st.ok()) break;
-      if (t.offset > region_bytes_ || t.bytes > region_bytes_ - t.offset || t.offset % t.align != 0) {
-        st = absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.offset, " (", t.bytes,
-                                                     " bytes); expected a multiple of ", t.align, " with offset + ",
-                                                     t.bytes, " <= the region's ", region_bytes_, " bytes"));
-      } else if (t.offset < ring_bytes_) {
-        st = absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.offset, "; expected >= ", ring_bytes_,
-                                                     " (the region's first bytes hold its doorbell ring)"));
-      }
+    if (st.ok()) {
+      const dataplane::RowBytes rows{static_cast<uint64_t>(sh.q_row_bytes), static_cast<uint64_t>(sh.kv_row_bytes),
+                                     static_cast<uint64_t>(sh.out_row_bytes), static_cast<uint64_t>(sh.lse_row_bytes)};
+      st = dataplane::CheckRegionTensors({in.region_s_q, in.q_offset, in.kv_offset, in.out_offset, in.lse_offset},
+                                         rows, static_cast<uint64_t>(sh.max_s_q), {region_bytes_, ring_bytes_});
     }
     if (st.ok()) return st;
     return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id, ").",
@@ -1369,22 +1291,16 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     for (Slot* s : free_) DeleteSlot(s);
     for (Slot* s : deferred_) DeleteSlot(s);
     for (Slot* s : done_) DeleteSlot(s);
-    if (region_ != nullptr) {  // no step reads or writes it any more
-      if (region_is_cuda_) {
-        service_->engine()->CloseDeviceMemory(region_memory_);
-      } else if (region_device_ != 0) {
-        service_->engine()->UnregisterHostMemory(region_);
-      }
-      munmap(region_, region_bytes_);
-      if (region_fd_ >= 0) close(region_fd_);
-      if (ring_ != nullptr) service_->ReleaseRing();
+    // No step reads or writes the region any more, and the ring's thread has stopped;
+    // the members below unmap them after this body.
+    if (region_ != nullptr) {
+      if (!region_is_cuda_ && region_device_ != 0) service_->engine()->UnregisterHostMemory(region_);
+      if (ring_ != nullptr) service_->ReleaseRing(ring_peer_);
       service_->ReleaseRegion(static_cast<int64_t>(region_bytes_));
     }
-    if (ring_file_ != nullptr) {  // a CUDA region's ring: its thread has stopped
-      munmap(ring_file_, ring_file_bytes_);
-      close(ring_fd_);
-      service_->ReleaseRegion(static_cast<int64_t>(ring_file_bytes_));
-    }
+    if (!ring_file_.empty()) service_->ReleaseRegion(static_cast<int64_t>(ring_file_.bytes()));
+    // Offers the client never collected.
+    for (const std::string& t : tickets_) service_->options().handoff->Withdraw(t);
   }
 
   DecodeServiceImpl* const service_;
@@ -1397,22 +1313,20 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The read side is touched only between StartRead and the end of OnReadDone.
   grpc::ByteBuffer read_buf_;
   std::vector<Slot*> batch_;  // slots taken for the message being read
-  // The shared region (same-host data plane): set on the read side, read by steps in
-  // flight, unmapped in the destructor.
-  int region_fd_ = -1;
+  // The stream's region (same-host data plane): set on the read side, read by steps in
+  // flight, freed by the members' destructors. region_ is region_file_'s memory, or
+  // cuda_region_mem_'s host placeholder.
+  dataplane::SharedFile region_file_;
+  dataplane::CudaRegion cuda_region_mem_;
   char* region_ = nullptr;
-  // Its doorbell ring (DecodeRequest.region_ring_entries): set on the read side before
-  // the ring's thread starts, then fixed. ring_stop_ tells that thread to stop.
-  static constexpr int kRingRun = 0, kRingStopDrained = 1, kRingStopNow = 2;
-  ring::Header* ring_ = nullptr;
-  char* ring_base_ = nullptr;  // ring_ as bytes: region_, or ring_file_ beside a CUDA region
-  uint32_t ring_entries_ = 0;
-  uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes of the region (0: ring in its own file)
   // A CUDA region's ring lives in a memory file of its own (OpenRingFile).
-  int ring_fd_ = -1;
-  char* ring_file_ = nullptr;
-  uint64_t ring_file_bytes_ = 0;
-  std::atomic<int> ring_stop_{kRingRun};
+  dataplane::SharedFile ring_file_;
+  std::vector<std::string> tickets_;  // handoff offers of region_file_ and ring_file_ (HandOver)
+  // Its doorbell ring (DecodeRequest.region_ring_entries): set on the read side before
+  // the ring's thread starts, then fixed.
+  std::unique_ptr<dataplane::DoorbellRing> ring_;
+  uint64_t ring_bytes_ = 0;  // tensors lie after these first bytes of the region (0: ring in its own file)
+  std::string ring_peer_;  // the connection its ring is counted against (ChargeRing)
   std::vector<Slot*> ring_batch_;  // the ring thread's slots for the batch it takes
   uint64_t region_device_ = 0;  // the device's address of region_, 0: not registered
   // Read side only: whether byte steps' inputs go into registered slot memory
@@ -1420,10 +1334,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool pin_inputs_ = true;
   const bool pin_always_;  // kAlways: keep the buffers unregistered where registering fails
   uint64_t region_bytes_ = 0;
-  // A CUDA region (open_cuda_region): region_ is a PROT_NONE reservation, the memory
-  // the client's device allocation opened as region_memory_.
-  bool region_is_cuda_ = false;
-  engine::DeviceMemory region_memory_;
+  bool region_is_cuda_ = false;  // open_cuda_region: region_ is cuda_region_mem_'s placeholder
   wire::CudaRegionFields cuda_region_;  // parse buffer of the read side
   // The submitting thread's (submitting_): one SubmitBatch's steps and answers.
   std::vector<engine::DecodeStep*> submit_;
@@ -1448,6 +1359,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
   bool ring_running_ ABSL_GUARDED_BY(mu_) = false;  // the ring's thread has not stopped
   uint32_t cq_tail_ ABSL_GUARDED_BY(mu_) = 0;        // completions posted to the ring
+  dataplane::CompletionWatch ring_watch_ ABSL_GUARDED_BY(mu_);  // the stall rule's view of them
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool processing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -1661,13 +1573,36 @@ bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
   return true;
 }
 
-bool DecodeServiceImpl::ChargeRing() {
+absl::Status DecodeServiceImpl::ChargeRing(const std::string& peer) {
   if (rings_.fetch_add(1, std::memory_order_relaxed) >= options_.max_rings) {
     rings_.fetch_sub(1, std::memory_order_relaxed);
     refused_rings_.fetch_add(1, std::memory_order_relaxed);
-    return false;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("DecodeRequest.region_ring_entries: doorbell rings of all streams are at --max_rings=",
+                     options_.max_rings, "; retry later, or send steps in DecodeRequest messages"));
   }
-  return true;
+  // One connection may hold only its share, so that one client cannot take every ring
+  // (as --max_streams_per_connection bounds its streams). Once per ring, never per step.
+  absl::MutexLock l(&rings_mu_);
+  int& mine = rings_by_peer_[peer];
+  if (mine >= options_.max_rings_per_connection) {
+    if (mine == 0) rings_by_peer_.erase(peer);
+    rings_.fetch_sub(1, std::memory_order_relaxed);
+    refused_rings_.fetch_add(1, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "DecodeRequest.region_ring_entries: this connection already holds --max_rings_per_connection=",
+        options_.max_rings_per_connection, " doorbell rings; close one of its ring streams, or send steps in "
+        "DecodeRequest messages"));
+  }
+  ++mine;
+  return absl::OkStatus();
+}
+
+void DecodeServiceImpl::ReleaseRing(const std::string& peer) {
+  rings_.fetch_sub(1, std::memory_order_relaxed);
+  absl::MutexLock l(&rings_mu_);
+  auto it = rings_by_peer_.find(peer);
+  if (it != rings_by_peer_.end() && --it->second <= 0) rings_by_peer_.erase(it);
 }
 
 ServiceCounters DecodeServiceImpl::Counters() const {

@@ -12,11 +12,13 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/dataplane/fd_handoff.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/latentd.grpc.pb.h"
 
@@ -48,7 +50,13 @@ struct ServiceOptions {
   // streams (each has a thread of the daemon polling it while the stream lasts), and how
   // long that thread spins on an idle ring before it sleeps on its futex (a sleeping
   // ring costs the client a futex wake per submission, and 20-30 us of wake-up).
+  // Where region files go to their stream's client (SharedRegion.ticket), owned by the
+  // caller and outliving the service. Null: regions are named by /proc paths instead,
+  // which any process of the daemon's user can open (--data_plane_proc_paths).
+  dataplane::FdHandoff* handoff = nullptr;
   int max_rings = 64;
+  // Of those, rings one connection (gRPC peer) may hold; at most max_rings.
+  int max_rings_per_connection = 16;
   int ring_spin_us = 1000;
   // Byte steps' q and kv are read into host memory registered with the engine (CUDA:
   // pinned and mapped), which the device reads directly: no staging copy per step. Costs
@@ -183,9 +191,11 @@ class DecodeServiceImpl final : public DecodeServiceBase {
     region_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
     regions_.fetch_sub(1, std::memory_order_relaxed);
   }
-  // Counts a new doorbell ring against max_rings; false (nothing counted) when over it.
-  bool ChargeRing();
-  void ReleaseRing() { rings_.fetch_sub(1, std::memory_order_relaxed); }
+  // Counts a new doorbell ring against max_rings and its connection's (`peer`'s) share,
+  // max_rings_per_connection; RESOURCE_EXHAUSTED naming the flag (nothing counted) when
+  // over either.
+  absl::Status ChargeRing(const std::string& peer);
+  void ReleaseRing(const std::string& peer);
   // Calls fn on every open Decode stream, outside streams_mu_, each kept alive meanwhile.
   template <typename Fn>
   void ForEachOpenStream(Fn fn);
@@ -206,6 +216,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<uint64_t> refused_regions_{0};
   std::atomic<uint64_t> steps_inputs_pinned_{0}, steps_inputs_device_direct_{0};
   std::atomic<int64_t> rings_{0};
+  absl::Mutex rings_mu_;  // touched once per ring stream
+  absl::flat_hash_map<std::string, int> rings_by_peer_ ABSL_GUARDED_BY(rings_mu_);
   std::atomic<uint64_t> refused_rings_{0}, steps_ring_{0};
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "proto/handoff.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/ring.h"
 
@@ -260,17 +261,32 @@ absl::StatusOr<v1::SharedRegion> DecodeStream::AskForRegion(const v1::DecodeRequ
 
 namespace {
 
-// Maps `bytes` bytes of a memory file the daemon shares (SharedRegion.path).
-absl::StatusOr<std::unique_ptr<SharedRegion>> MapShared(const std::string& path, uint64_t bytes) {
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::FailedPreconditionError(absl::StrCat("shared region ", path, ": ", std::strerror(errno),
-                                                      " (same host and user as the daemon needed)"));
+// Maps `bytes` bytes of the memory file the daemon shares: collected from its handoff
+// socket with the region's one-time ticket, or opened by path from a daemon run with
+// --data_plane_proc_paths.
+absl::StatusOr<std::unique_ptr<SharedRegion>> MapShared(const v1::SharedRegion& answer, uint64_t bytes) {
+  std::string what;
+  int fd = -1;
+  if (!answer.ticket().empty()) {
+    what = absl::StrCat("shared region from ", answer.handoff_socket());
+    absl::StatusOr<int> got = handoff::CollectFd(answer.handoff_socket(), answer.ticket());
+    if (!got.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", got.status().message(), " (the daemon's host is needed)"));
+    }
+    fd = *got;
+  } else {
+    what = absl::StrCat("shared region ", answer.path());
+    fd = open(answer.path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", std::strerror(errno), " (same host and user as the daemon needed)"));
+    }
   }
   void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);  // the mapping keeps the file
-  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path, ": ", std::strerror(err)));
+  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", what, ": ", std::strerror(err)));
   return std::make_unique<SharedRegion>(static_cast<char*>(map), bytes);
 }
 
@@ -293,7 +309,7 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenRegion(uint64_t 
   req.set_region_ring_entries(ring_entries);
   absl::StatusOr<v1::SharedRegion> answer = AskForRegion(req, bytes);
   if (!answer.ok()) return answer.status();
-  return MapShared(answer->path(), bytes);
+  return MapShared(*answer, bytes);
 }
 
 absl::Status DecodeStream::OpenCudaRegion(absl::string_view ipc_handle, uint64_t offset, uint64_t bytes) {
@@ -306,9 +322,9 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> DecodeStream::OpenCudaRegionWithRi
   absl::StatusOr<v1::SharedRegion> answer =
       AskForRegion(CudaRegionRequest(ipc_handle, offset, bytes, ring_entries), bytes);
   if (!answer.ok()) return answer.status();
-  if (answer->ring_bytes() != ring::RingBytes(ring_entries) || answer->path().empty())
+  if (answer->ring_bytes() != ring::RingBytes(ring_entries) || (answer->path().empty() && answer->ticket().empty()))
     return absl::InternalError("Decode stream: the region's answer holds no ring of the size asked for");
-  return MapShared(answer->path(), answer->ring_bytes());
+  return MapShared(*answer, answer->ring_bytes());
 }
 
 bool DecodeStream::Write(const v1::DecodeRequest& request) { return rw_->Write(request); }

@@ -296,5 +296,102 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
   EXPECT_TRUE(daemon.Running());
 }
 
+// A client that never consumes its completions is cancelled by --stream_stall_timeout_s,
+// as a byte stream whose responses are not read; a completion head outside what was
+// posted ends the stream naming the counter instead of stalling it.
+TEST(DoorbellTest, UnconsumedCompletionsAreCancelledByTheStallRule) {
+  Daemon daemon({"--num_layers=2", "--stream_stall_timeout_s=1"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  auto seq = tracker.NewSequence({30, 30});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto stream = (*c)->OpenDecodeStream();
+  auto region = stream->OpenRegion(lay.bytes(1), kEntries);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto* h = reinterpret_cast<ring::Header*>((*region)->data());
+  client::Ring ring(region->get(), kEntries);
+  client::Ring::Step rs = IntoSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, region->get(), 0);
+  ASSERT_TRUE(ring.Submit(&rs, 1).ok());
+  // The completion is posted, and never consumed (cq_head stays 0).
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (h->cq_tail.load() < 1) {
+    ASSERT_LT(absl::Now(), deadline) << "the step was never answered";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  while (h->closed.load() == 0) {
+    ASSERT_LT(absl::Now(), deadline) << "the stall rule never cancelled the ring's stream";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const grpc::Status st = Close(stream.get());
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+  EXPECT_TRUE(daemon.Running());
+}
+
+TEST(DoorbellTest, ACompletionHeadPastWhatWasPostedEndsTheStreamNamingIt) {
+  Daemon daemon({"--num_layers=2"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto c = daemon.Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  Tracker tracker(c->get());
+  const client::Shape sh = (*c)->shape();
+  const Layout lay(sh);
+  auto seq = tracker.NewSequence({30, 30});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto stream = (*c)->OpenDecodeStream();
+  auto region = stream->OpenRegion(lay.bytes(1), kEntries);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto* h = reinterpret_cast<ring::Header*>((*region)->data());
+  client::Ring ring(region->get(), kEntries);
+  client::Ring::Step rs = IntoSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, region->get(), 0);
+  ASSERT_TRUE(ring.Submit(&rs, 1).ok());
+  std::vector<client::Ring::Completion> done;
+  ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
+  h->cq_head.store(100, std::memory_order_release);  // one completion was posted
+  client::Ring::Step next = IntoSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, region->get(), 0);
+  ASSERT_TRUE(ring.Submit(&next, 1).ok());
+  const grpc::Status st = Close(stream.get());
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "ring.cq_head: 100")) << st.error_message();
+  EXPECT_EQ(h->closed.load(), 1u);
+}
+
+// One connection holds at most --max_rings_per_connection rings; another connection
+// still gets one while the first holds its share.
+TEST(DoorbellTest, OneConnectionCannotHoldEveryRing) {
+  Daemon daemon({"--num_layers=2", "--max_rings=4", "--max_rings_per_connection=2"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  client::ClientOptions own;
+  own.own_connection = true;
+  auto a = daemon.Connect(own);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = daemon.Connect(own);
+  ASSERT_TRUE(b.ok()) << b.status();
+  const uint64_t bytes = ring::RingBytes(kEntries) + (1 << 16);
+  std::vector<std::unique_ptr<client::DecodeStream>> held;
+  std::vector<std::unique_ptr<client::SharedRegion>> regions;
+  for (int i = 0; i < 2; ++i) {
+    held.push_back((*a)->OpenDecodeStream());
+    auto r = held.back()->OpenRegion(bytes, kEntries);
+    ASSERT_TRUE(r.ok()) << r.status();
+    regions.push_back(*std::move(r));
+  }
+  {
+    auto third = (*a)->OpenDecodeStream();
+    auto r = third->OpenRegion(bytes, kEntries);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "--max_rings_per_connection=2")) << r.status();
+  }
+  auto other = (*b)->OpenDecodeStream();
+  auto r = other->OpenRegion(bytes, kEntries);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(Close(other.get()).ok());
+  for (auto& s : held) EXPECT_TRUE(Close(s.get()).ok());
+}
+
 }  // namespace
 }  // namespace latentd::testing

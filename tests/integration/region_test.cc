@@ -2,15 +2,21 @@
 // stream's shared region carries q/kv in and out/lse back, checked against the CPU
 // implementation; bad offsets fail INVALID_ARGUMENT and touch nothing; region sizes are
 // bounded; the daemon drops its mapping when the stream ends.
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "clients/cpp/client.h"
+#include "proto/handoff.h"
 #include "proto/ring.h"
 #include "tests/integration/daemon.h"
 #include "tests/integration/tracker.h"
@@ -61,7 +67,9 @@ int CountRegionMappings(pid_t pid) {
 }
 
 TEST(RegionTest, StepsThroughTheRegionMatchTheCpuImplementation) {
-  Daemon daemon({"--num_layers=2", "--num_heads_q=32"});
+  // Regions by /proc path, and a dumpable daemon: its /proc/<pid>/maps stays readable to
+  // this test when it does not run as root (and the older clients' path stays covered).
+  Daemon daemon({"--num_layers=2", "--num_heads_q=32", "--data_plane_proc_paths"});
   ASSERT_TRUE(daemon.Start()) << daemon.Log();
   auto c = daemon.Connect();
   ASSERT_TRUE(c.ok()) << c.status();
@@ -116,6 +124,53 @@ TEST(RegionTest, StepsThroughTheRegionMatchTheCpuImplementation) {
   // The daemon's mapping went with the stream.
   for (int i = 0; i < 100 && CountRegionMappings(daemon.pid()) != 0; ++i) absl::SleepFor(absl::Milliseconds(20));
   EXPECT_EQ(CountRegionMappings(daemon.pid()), 0);
+}
+
+// Only the stream's own client gets its region: the answer names no path, only a
+// one-time ticket for the daemon's handoff socket. This process, holding neither the
+// bearer token nor a stream, gets nothing for a wrong ticket or a used one, and cannot
+// list the daemon's descriptors in /proc (unless it runs as root, which may).
+TEST(RegionTest, OnlyTheStreamsClientGetsItsRegion) {
+  Daemon daemon({"--num_layers=1", "--auth_token=region-test-token"});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  client::ClientOptions options;
+  options.auth_token = "region-test-token";
+  auto c = daemon.Connect(options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto stream = (*c)->OpenDecodeStream();
+  v1::DecodeRequest req;
+  req.set_open_region_bytes(1 << 16);
+  ASSERT_TRUE(stream->Write(req));
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  ASSERT_TRUE(resp.has_region());
+  const v1::SharedRegion& region = resp.region();
+  EXPECT_TRUE(region.path().empty()) << region.path();
+  ASSERT_EQ(region.ticket().size(), handoff::kTicketBytes);
+  ASSERT_FALSE(region.handoff_socket().empty());
+
+  std::string wrong = region.ticket();
+  wrong[3] ^= 0x10;
+  EXPECT_EQ(handoff::CollectFd(region.handoff_socket(), wrong).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  absl::StatusOr<int> fd = handoff::CollectFd(region.handoff_socket(), region.ticket());
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  struct stat st;
+  ASSERT_EQ(fstat(*fd, &st), 0);
+  EXPECT_EQ(st.st_size, 1 << 16);  // the region's file
+  close(*fd);
+  EXPECT_EQ(handoff::CollectFd(region.handoff_socket(), region.ticket()).status().code(),
+            absl::StatusCode::kPermissionDenied);  // a ticket works once
+
+  const std::string fds = absl::StrCat("/proc/", daemon.pid(), "/fd");
+  if (geteuid() == 0) {
+    std::cerr << "running as root, which may read any process's " << fds << "; that part is not checked\n";
+  } else {
+    DIR* d = opendir(fds.c_str());
+    EXPECT_EQ(d, nullptr) << fds << " is readable to another process of the daemon's user";
+    if (d != nullptr) closedir(d);
+  }
+  EXPECT_TRUE(Close(stream.get()).ok());
 }
 
 TEST(RegionTest, BadOffsetsFailWithTheFieldAndTouchNothing) {

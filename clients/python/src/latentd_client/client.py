@@ -5,6 +5,7 @@ import itertools
 import mmap
 import os
 import queue
+import socket
 import threading
 
 import grpc
@@ -215,14 +216,37 @@ class LatentdClient(ModelWire):
         return [got[i] for i in ids]
 
 
+def _collect_fd(name, ticket):
+    """The descriptor the daemon offers under ticket on its handoff socket (docs/api.md):
+    send the ticket, receive one byte, b'k' with the descriptor or b'n' without."""
+    address = "\0" + name[1:] if name.startswith("@") else name
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(address)
+            s.sendall(ticket)
+            answer, fds, _, _ = socket.recv_fds(s, 1, 1)
+        except OSError as e:
+            raise LatentdError(grpc.StatusCode.UNAVAILABLE, f"data plane socket {name}: {e}") from None
+    if answer == b"k" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise LatentdError(grpc.StatusCode.PERMISSION_DENIED,
+                       "data plane socket: no region offered under this ticket (a ticket works once)")
+
+
 class SharedRegion:
     """A Decode stream's shared-memory region (same-host data plane), mapped here.
 
     Steps name byte offsets into it (DecodeSession.submit_region) instead of carrying
     q/kv, and the server writes out/lse there: array() views it without copying."""
 
-    def __init__(self, path, nbytes):
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    def __init__(self, answer, nbytes):
+        """answer: the stream's SharedRegion message. The memory file comes from the
+        daemon's handoff socket for the answer's one-time ticket, or (from a daemon run
+        with --data_plane_proc_paths) from its path."""
+        fd = _collect_fd(answer.handoff_socket, answer.ticket) if answer.ticket else os.open(
+            answer.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             self.mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -280,7 +304,7 @@ class DecodeSession:
         ring.nbytes): steps then go through shared memory with no message per step."""
         resp = self._region_answer(
             latentd_pb2.DecodeRequest(open_region_bytes=nbytes, region_ring_entries=ring_entries), nbytes)
-        self.region = SharedRegion(resp.region.path, nbytes)
+        self.region = SharedRegion(resp.region, nbytes)
         self.ring = DoorbellRing(self.region, ring_entries) if ring_entries else None
         return self.region
 
@@ -307,9 +331,9 @@ class DecodeSession:
             latentd_pb2.DecodeRequest(open_cuda_region=region, region_ring_entries=ring_entries), nbytes)
         self.region = tensor
         if ring_entries:
-            if resp.region.ring_bytes != ring_bytes(ring_entries) or not resp.region.path:
+            if resp.region.ring_bytes != ring_bytes(ring_entries) or not (resp.region.path or resp.region.ticket):
                 raise LatentdError(grpc.StatusCode.INTERNAL, "the region's answer holds no ring of the size asked for")
-            self.ring_file = SharedRegion(resp.region.path, resp.region.ring_bytes)
+            self.ring_file = SharedRegion(resp.region, resp.region.ring_bytes)
             self.ring = DoorbellRing(self.ring_file, ring_entries)
         return tensor
 
