@@ -561,31 +561,39 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     slot->causal = f.causal;
     slot->flow = flow_;
     slot->in_region = f.has_region;
-    if (f.has_region) {  // bounds and alignment checked in ValidateRegion
-      slot->q = absl::string_view(region_ + f.q_offset, static_cast<size_t>(s_q * sh.q_row_bytes));
-      slot->kv = absl::string_view(region_ + f.kv_offset, static_cast<size_t>(s_q * sh.kv_row_bytes));
-      slot->out = region_ + f.out_offset;
-      slot->lse = reinterpret_cast<float*>(region_ + f.lse_offset);
-      slot->host_base = region_device_ != 0 ? region_ : nullptr;
-      slot->device_base = region_device_;
-      slot->in_host_base = nullptr;
-      slot->in_device_base = 0;
-    } else {
-      slot->host_base = nullptr;
-      slot->device_base = 0;
-      slot->q = f.q_raw ? absl::string_view(slot->pin, static_cast<size_t>(f.q_bytes)) : absl::string_view(slot->q_buf);
-      slot->kv = f.kv_raw ? absl::string_view(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
-                          : absl::string_view(slot->kv_buf);
+    using engine::TensorLocation;
+    if (f.has_region) {  // bounds and alignment checked in ValidateRegionStep
+      // A CUDA region is device memory; a shared region the engine registered is read
+      // and written by the device in place; else its tensors are staged host bytes.
+      const engine::MemoryRegion r{region_, region_device_, region_bytes_};
+      auto at = [&](uint64_t offset, int64_t row_bytes) {
+        const size_t bytes = static_cast<size_t>(s_q * row_bytes);
+        if (region_is_cuda_) return TensorLocation::InDeviceRegion(r, offset, bytes);
+        if (region_device_ != 0) return TensorLocation::InHostRegion(r, offset, bytes);
+        return TensorLocation::Host(region_ + offset, bytes);
+      };
+      slot->q = at(f.q_offset, sh.q_row_bytes);
+      slot->kv = at(f.kv_offset, sh.kv_row_bytes);
+      slot->out = at(f.out_offset, sh.out_row_bytes);
+      slot->lse = at(f.lse_offset, sh.lse_row_bytes);
+    } else if (f.q_raw && f.kv_raw && slot->pin_device != 0) {
       // Both in the registered buffer: the device reads them there (no staging copy).
-      const bool pinned = f.q_raw && f.kv_raw && slot->pin_device != 0;
-      slot->in_host_base = pinned ? slot->pin : nullptr;
-      slot->in_device_base = pinned ? slot->pin_device : 0;
+      const engine::MemoryRegion pin{slot->pin, slot->pin_device, slot->pin_bytes};
+      slot->q = TensorLocation::InHostRegion(pin, 0, static_cast<size_t>(f.q_bytes));
+      slot->kv = TensorLocation::InHostRegion(pin, slot->pin_kv_at, static_cast<size_t>(f.kv_bytes));
+    } else {
+      slot->q = f.q_raw ? TensorLocation::Host(slot->pin, static_cast<size_t>(f.q_bytes))
+                        : TensorLocation::Host(slot->q_buf.data(), slot->q_buf.size());
+      slot->kv = f.kv_raw ? TensorLocation::Host(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
+                          : TensorLocation::Host(slot->kv_buf.data(), slot->kv_buf.size());
+    }
+    if (!f.has_region) {
       if (f.q_raw && f.kv_raw) service_->steps_inputs_pinned_.fetch_add(1, std::memory_order_relaxed);
       slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
-      slot->out = nullptr;  // set by LayOut
-      slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
+      slot->out = TensorLocation();  // set by LayOut
+      slot->lse = TensorLocation::Host(&slot->lse_buf[0], slot->lse_buf.size());
     }
-    if (slot->device_base != 0 || slot->in_device_base != 0)
+    if (engine::InputsDeviceDirect(*slot))
       service_->steps_inputs_device_direct_.fetch_add(1, std::memory_order_relaxed);
     slot->deadline =
         f.timeout_ms > 0 ? absl::Now() + absl::Milliseconds(f.timeout_ms) : absl::InfiniteFuture();

@@ -58,7 +58,7 @@ void LayOut(Slot* const* slots, int n, const StepShape& sh, size_t cap) {
         const size_t out_bytes = static_cast<size_t>(s->s_q * sh.out_row_bytes);
         const wire::ResultLayout l = wire::SuccessLayout(s->request_id, out_bytes, s->lse_buf.size(), s->trace);
         wire::EncodeSuccessHead(s->request_id, out_bytes, s->lse_buf.size(), s->trace, base + at);
-        s->out = reinterpret_cast<char*>(base + at + l.out_at);
+        s->out = engine::TensorLocation::Host(base + at + l.out_at, out_bytes);
         s->part = buffer.sub(at, at + l.bytes);
         s->part_tail = l.tail_at;
         s->laid_out = true;

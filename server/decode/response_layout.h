@@ -22,7 +22,8 @@ namespace latentd::server::decode {
 
 // Lays out the results of the successful byte steps among slots[0, n) in buffers of
 // about `cap` bytes each (a buffer stays alive while gRPC holds any result in it, so
-// smaller ones give memory back sooner): sets each one's out, part and part_tail.
+// smaller ones give memory back sooner): sets each one's out (host bytes inside its
+// part), part and part_tail.
 // Region steps and failed ones are left alone.
 void LayOut(Slot* const* slots, int n, const StepShape& sh, size_t cap);
 

@@ -55,7 +55,7 @@ TEST(ResponseLayout, SeveralStepsLaidOutThenCoalescedInOrder) {
   EXPECT_EQ(slots[0].part.begin() + slots[0].part.size(), slots[1].part.begin());
   // The engine writes out in place.
   for (int i = 0; i < 2; ++i)
-    std::memset(slots[i].out, 'a' + i, static_cast<size_t>(slots[i].s_q * sh.out_row_bytes));
+    std::memset(slots[i].out.host(), 'a' + i, static_cast<size_t>(slots[i].s_q * sh.out_row_bytes));
 
   std::vector<grpc::Slice> parts;
   grpc::ByteBuffer response;
