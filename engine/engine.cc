@@ -647,18 +647,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (o.max_batch_tokens < o.max_s_q)
     return absl::InvalidArgumentError("max_batch_tokens: expected >= max_s_q");
   if (o.max_queue < 1) return absl::InvalidArgumentError("max_queue: expected >= 1");
-  BackendOptions b;
-  b.model = o.model;
-  b.device = o.device;
-  b.max_batch_size = o.max_batch_size;
-  b.max_batch_tokens = o.max_batch_tokens;
-  b.max_s_q = o.max_s_q;
-  b.cpu_threads = o.cpu_threads;
-  b.kv_pages = o.kv_pages;
-  b.kv_bytes = o.kv_bytes;
-  b.kv_memory_fraction = o.kv_memory_fraction;
-  b.kv_dtype = o.kv_dtype;
-  auto backend = MakeBackend(o.backend, b);
+  auto backend = MakeBackend(o.backend, o);  // BackendOptions is EngineOptions
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend)));
 }
