@@ -14,19 +14,11 @@
 
 namespace latentd::engine {
 
-struct BackendOptions {
-  ModelConfig model;
-  int device = 0;
-  int max_batch_size = 64;
-  int max_batch_tokens = 1024;
-  int max_s_q = 8;
-  int cpu_threads = 0;
-  // Pool sizing, as in EngineOptions.
-  int64_t kv_pages = 0;
-  int64_t kv_bytes = 0;
-  double kv_memory_fraction = 0.0;
-  kernels::KvDType kv_dtype = kernels::KvDType::kModel;  // the pool's storage format
-};
+// A backend is built from the engine's own options: it reads the model, device, launch
+// sizes (max_batch_size, max_batch_tokens, max_s_q), cpu_threads and the pool's sizing
+// and format (kv_pages, kv_bytes, kv_memory_fraction, kv_dtype), and nothing else.
+// One struct, so a new option reaches the backends without being copied field by field.
+using BackendOptions = EngineOptions;
 
 class AttentionBackend {
  public:

@@ -109,9 +109,9 @@ void CopyResults(Batch& batch, const std::vector<int>& order, int h_q, const cha
   for (int k : order) {
     BatchEntry& e = batch.entries[k];
     const int s_q = e.step->s_q;
-    if (e.status.ok() && e.step->device_base == 0) {  // else the device wrote them in place
-      std::memcpy(e.step->out, out + size_t(token) * out_row, size_t(s_q) * out_row);
-      std::memcpy(e.step->lse, lse + size_t(token) * h_q, size_t(s_q) * h_q * sizeof(float));
+    if (e.status.ok() && !OutputsDeviceDirect(*e.step)) {  // else the device wrote them in place
+      std::memcpy(e.step->out.host(), out + size_t(token) * out_row, size_t(s_q) * out_row);
+      std::memcpy(e.step->lse.host(), lse + size_t(token) * h_q, size_t(s_q) * h_q * sizeof(float));
     }
     token += s_q;
   }

@@ -41,8 +41,12 @@ class CpuBackend final : public AttentionBackend {
     const size_t row_bytes = size_t(config_.input_row_bytes());
     // New rows go straight into the host pool.
     for (auto& e : batch.entries) {
+      // This backend reads and writes tensors on the host; a device region is the CUDA
+      // backend's (OpenDeviceMemory fails here, so a server never sends one).
+      if (e.status.ok() && !(e.step->q.on_host() && e.step->kv.on_host() && e.step->out.on_host()))
+        e.status = absl::InternalError("cpu backend: the step's tensors are in device memory");
       if (!e.status.ok()) continue;
-      const char* src = e.step->kv.data();
+      const char* src = e.step->kv.host();
       const int layer = e.step->layer;
       for (int s = 0; s < e.num_slots && e.status.ok(); ++s) {
         const auto& slot = e.slots[s];
@@ -58,7 +62,7 @@ class CpuBackend final : public AttentionBackend {
     for (int k = 0; k < static_cast<int>(sl.order.size()); ++k) {
       BatchEntry& e = batch.entries[sl.order[k]];
       const DecodeStep& s = *e.step;
-      std::memcpy(q_.data() + size_t(token) * h_q * kHeadDimQK, s.q.data(), s.q.size());
+      std::memcpy(q_.data() + size_t(token) * h_q * kHeadDimQK, s.q.host(), s.q.bytes());
       WritePhysicalTable(e, width_, tables_.data() + size_t(k) * width_);
       seqlens_[k] = static_cast<int32_t>(e.seqlen);
       token += s.s_q;

@@ -59,19 +59,6 @@ absl::StatusOr<uint64_t> AllocationSize(uint64_t base) {
   return static_cast<uint64_t>(start + size - base);
 }
 
-// Where the device reaches a tensor of a step in registered host memory.
-uint64_t DeviceAddress(const DecodeStep& step, const void* p) {
-  return step.device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.host_base);
-}
-
-// Whether the device reads a step's q and rows straight from registered host memory
-// (all its tensors there, or its inputs only), and where it reaches one of them.
-bool InputsDirect(const DecodeStep& step) { return step.device_base != 0 || step.in_device_base != 0; }
-uint64_t InputAddress(const DecodeStep& step, const void* p) {
-  if (step.device_base != 0) return DeviceAddress(step, p);
-  return step.in_device_base + static_cast<uint64_t>(static_cast<const char*>(p) - step.in_host_base);
-}
-
 class CudaBackend final : public AttentionBackend {
  public:
   ~CudaBackend() override {
@@ -251,7 +238,7 @@ class CudaBackend final : public AttentionBackend {
     size_t direct = 0;  // copies of steps in registered memory: two in, and two out when out is there too
     for (int k : s.order) {
       const DecodeStep& step = *batch.entries[k].step;
-      direct += (InputsDirect(step) ? 2 : 0) + (step.device_base != 0 ? 2 : 0);
+      direct += (InputsDeviceDirect(step) ? 2 : 0) + (OutputsDeviceDirect(step) ? 2 : 0);
     }
     s.off_tables = AlignUp(s.off_copies + direct * sizeof(DeviceCopy));
     char* q = s.host_in;
@@ -270,19 +257,19 @@ class CudaBackend final : public AttentionBackend {
     for (int k = 0; k < static_cast<int>(s.order.size()); ++k) {
       const BatchEntry& e = batch.entries[s.order[k]];
       const DecodeStep& step = *e.step;
-      if (InputsDirect(step)) {
-        // In registered memory: the copy lists move it (in: q, rows; out: out, lse).
-        auto dev = [&](const void* p) { return InputAddress(step, p); };
+      if (InputsDeviceDirect(step)) {
+        // Registered host memory or a device region: the copy lists move it (in: q,
+        // rows; out: out, lse).
         DeviceCopy* in = copies + 2 * s.copies_in;
-        in[0] = {dev(step.q.data()), dev_in + token * q_token, step.q.size()};
-        in[1] = {dev(step.kv.data()), dev_in + s.off_kv + s.rows * row_bytes_, step.kv.size()};
-        s.max_copy_in = std::max<uint64_t>(s.max_copy_in, std::max(step.q.size(), step.kv.size()));
+        in[0] = {step.q.device(), dev_in + token * q_token, step.q.bytes()};
+        in[1] = {step.kv.device(), dev_in + s.off_kv + s.rows * row_bytes_, step.kv.bytes()};
+        s.max_copy_in = std::max<uint64_t>(s.max_copy_in, std::max(step.q.bytes(), step.kv.bytes()));
         ++s.copies_in;
       } else {
-        std::memcpy(q + size_t(token) * q_token, step.q.data(), step.q.size());
-        std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.data(), step.kv.size());
+        std::memcpy(q + size_t(token) * q_token, step.q.host(), step.q.bytes());
+        std::memcpy(kv + size_t(s.rows) * row_bytes_, step.kv.host(), step.kv.bytes());
       }
-      if (step.device_base == 0) s.staged_tokens += step.s_q;  // its results come back through host_out
+      if (!OutputsDeviceDirect(step)) s.staged_tokens += step.s_q;  // its results come back through host_out
       for (int r = 0; r < e.num_slots; ++r)
         for (int t = 0; t < e.slots[r].n; ++t)
           dst[s.rows++] = (e.page_offset + e.slots[r].page) * kPageSize + e.slots[r].row + t;
@@ -297,12 +284,11 @@ class CudaBackend final : public AttentionBackend {
     DeviceCopy* out_copies = copies + 2 * s.copies_in;
     for (int k : s.order) {
       const DecodeStep& step = *batch.entries[k].step;
-      if (step.device_base != 0) {
-        auto dev = [&](const void* p) { return DeviceAddress(step, p); };
+      if (OutputsDeviceDirect(step)) {
         const size_t out_bytes = size_t(step.s_q) * out_token, lse_bytes = size_t(step.s_q) * h_q * sizeof(float);
         DeviceCopy* c = out_copies + 2 * s.copies_out;
-        c[0] = {dev_out + out_lse_bytes_ + token * out_token, dev(step.out), out_bytes};
-        c[1] = {dev_out + token * h_q * sizeof(float), dev(step.lse), lse_bytes};
+        c[0] = {dev_out + out_lse_bytes_ + token * out_token, step.out.device(), out_bytes};
+        c[1] = {dev_out + token * h_q * sizeof(float), step.lse.device(), lse_bytes};
         s.max_copy_out = std::max<uint64_t>(s.max_copy_out, out_bytes);
         ++s.copies_out;
       }

@@ -331,17 +331,20 @@ class EngineImpl final : public Engine {
     if (s.s_q < 1 || s.s_q > o_.max_s_q)
       return absl::InvalidArgumentError(absl::StrCat("q: expected 1..", o_.max_s_q, " query tokens, got ", s.s_q));
     const size_t q_bytes = size_t(s.s_q) * m.num_heads_q * kHeadDimQK * 2;
-    if (s.q.size() != q_bytes)
+    if (s.q.bytes() != q_bytes)
       return absl::InvalidArgumentError(absl::StrCat("q: expected ", q_bytes, " bytes ([s_q=", s.s_q,
                                                      ", h_q=", m.num_heads_q, ", 576] ", dt, "), got ",
-                                                     s.q.size()));
+                                                     s.q.bytes()));
     const size_t kv_bytes = size_t(s.s_q) * RowBytes();
-    if (s.kv.size() != kv_bytes)
+    if (s.kv.bytes() != kv_bytes)
       return absl::InvalidArgumentError(absl::StrCat("kv: expected ", kv_bytes, " bytes ([s_q=", s.s_q,
                                                      ", h_kv=", m.num_heads_kv, ", 576] ", dt, "), got ",
-                                                     s.kv.size()));
-    if (s.out == nullptr || s.lse == nullptr || s.callback == nullptr)
+                                                     s.kv.bytes()));
+    if (!s.out.set() || !s.lse.set() || s.callback == nullptr)
       return absl::InternalError("decode step without out, lse or callback");
+    // The backends move q with kv, and out with lse, one way or the other.
+    if (s.q.kind() != s.kv.kind() || s.out.kind() != s.lse.kind())
+      return absl::InternalError("decode step with q and kv, or out and lse, in different kinds of memory");
     return absl::OkStatus();
   }
 
@@ -644,18 +647,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (o.max_batch_tokens < o.max_s_q)
     return absl::InvalidArgumentError("max_batch_tokens: expected >= max_s_q");
   if (o.max_queue < 1) return absl::InvalidArgumentError("max_queue: expected >= 1");
-  BackendOptions b;
-  b.model = o.model;
-  b.device = o.device;
-  b.max_batch_size = o.max_batch_size;
-  b.max_batch_tokens = o.max_batch_tokens;
-  b.max_s_q = o.max_s_q;
-  b.cpu_threads = o.cpu_threads;
-  b.kv_pages = o.kv_pages;
-  b.kv_bytes = o.kv_bytes;
-  b.kv_memory_fraction = o.kv_memory_fraction;
-  b.kv_dtype = o.kv_dtype;
-  auto backend = MakeBackend(o.backend, b);
+  auto backend = MakeBackend(o.backend, o);  // BackendOptions is EngineOptions
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend)));
 }

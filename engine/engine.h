@@ -61,16 +61,17 @@ class Engine {
   // Host memory that steps' tensors will lie in for a while (a same-host client's shared
   // region). Returns the device address of `base` when the backend moves tensors there
   // directly (CUDA: the memory is pinned and mapped; this takes time, about that of
-  // touching every page once), 0 when it does not; steps then set host_base and
-  // device_base. Unregister only when no step using it is in flight.
+  // touching every page once), 0 when it does not; steps then place their tensors with
+  // TensorLocation::InHostRegion({base, address, bytes}, ...), or as plain host bytes
+  // for 0. Unregister only when no step using it is in flight.
   virtual uint64_t RegisterHostMemory(void* base, size_t bytes) { return 0; }
   virtual void UnregisterHostMemory(void* base) {}
 
   // Device memory of another process on this host (a client's tensors on the GPU),
   // given as a CUDA IPC handle: opened for the device, with [offset, offset + bytes)
-  // checked to lie inside the allocation. Steps whose tensors lie there set
-  // device_base to `address` and host_base to a host placeholder of the same size,
-  // which nothing reads or writes: the backend moves them with the device only.
+  // checked to lie inside the allocation. Steps whose tensors lie there place them
+  // with TensorLocation::InDeviceRegion({nullptr, address, bytes}, ...): the backend
+  // moves them with the device only.
   // INVALID_ARGUMENT for a handle the driver refuses or a range outside the allocation,
   // FAILED_PRECONDITION on the CPU backend. Close only when no step using it is in
   // flight.

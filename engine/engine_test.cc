@@ -341,7 +341,7 @@ TEST_F(EngineTest, BadStepsAreRefusedWithTheField) {
   Harness h(engine.get(), 18);
   const std::string a = h.NewSequence(3);
   auto* p = h.MakeStep(a, 0, 1, false);
-  p->step.q = absl::string_view(p->q).substr(0, 100);
+  p->step.q = TensorLocation::Host(p->q.data(), 100);
   absl::Status st = h.Submit(p);
   EXPECT_TRUE(absl::IsInvalidArgument(st));
   EXPECT_NE(st.message().find("q: expected 18432 bytes"), std::string::npos) << st;
@@ -350,7 +350,7 @@ TEST_F(EngineTest, BadStepsAreRefusedWithTheField) {
   EXPECT_TRUE(absl::IsInvalidArgument(st));
   EXPECT_NE(st.message().find("layer: expected 0..1"), std::string::npos) << st;
   p = h.MakeStep(a, 0, 1, false);
-  p->step.kv = absl::string_view(p->kv).substr(1);
+  p->step.kv = TensorLocation::Host(p->kv.data() + 1, p->kv.size() - 1);
   st = h.Submit(p);
   EXPECT_NE(st.message().find("kv: expected"), std::string::npos) << st;
   // An unknown sequence fails through the callback, alone.
@@ -686,8 +686,14 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
   std::vector<bool> direct;
   std::vector<int> modes;
   size_t at = 0;
+  const MemoryRegion registered{base, dev, region_bytes};
+  auto located = [&](char* p, size_t bytes) {
+    const uint64_t offset = static_cast<uint64_t>(p - base);
+    return dev != 0 ? TensorLocation::InHostRegion(registered, offset, bytes) : TensorLocation::Host(p, bytes);
+  };
   // Mode 0: staged; 1: every tensor in the registered memory; 2: q and kv there only
-  // (DecodeStep::in_host_base), out and lse in the step's own buffers.
+  // (TensorLocation::kHostRegion), out and lse in the step's own buffers. Without a
+  // registration (dev 0) they are plain host bytes that happen to lie there.
   for (int round = 0; round < 3; ++round)
     for (size_t i = 0; i < seqs.size(); ++i) {
       Harness::Pending* p = h.MakeStep(seqs[i], int(i % 2), 1 + int(i % 3), i % 2 == 1);
@@ -704,12 +710,8 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
         std::memcpy(q, p->q.data(), p->q.size());
         char* kv = place(p->kv.size());
         std::memcpy(kv, p->kv.data(), p->kv.size());
-        p->step.q = absl::string_view(q, p->q.size());
-        p->step.kv = absl::string_view(kv, p->kv.size());
-        if (dev != 0) {
-          p->step.in_host_base = base;
-          p->step.in_device_base = dev;
-        }
+        p->step.q = located(q, p->q.size());
+        p->step.kv = located(kv, p->kv.size());
         ASSERT_LE(at, region_bytes);
       }
       if (in_region) {
@@ -728,14 +730,10 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
         at = (at + 3) / 4 * 4;
         char* lse = place(p->lse.size() * 4);
         std::memcpy(lse, p->lse.data(), p->lse.size() * 4);
-        p->step.q = absl::string_view(q, p->q.size());
-        p->step.kv = absl::string_view(kv, p->kv.size());
-        p->step.out = out;
-        p->step.lse = reinterpret_cast<float*>(lse);
-        if (dev != 0) {
-          p->step.host_base = base;
-          p->step.device_base = dev;
-        }
+        p->step.q = located(q, p->q.size());
+        p->step.kv = located(kv, p->kv.size());
+        p->step.out = located(out, p->out.size() * 2);
+        p->step.lse = located(lse, p->lse.size() * 4);
         ASSERT_LE(at, region_bytes);
       }
       steps.push_back(p);
@@ -746,8 +744,8 @@ TEST_F(EngineTest, StepsInRegisteredHostMemory) {
   for (size_t k = 0; k < steps.size(); ++k) {
     Harness::Pending* p = steps[k];
     if (direct[k]) {  // results are in the region: bring them home for the check
-      std::memcpy(p->out.data(), p->step.out, p->out.size() * 2);
-      std::memcpy(p->lse.data(), p->step.lse, p->lse.size() * 4);
+      std::memcpy(p->out.data(), p->step.out.host(), p->out.size() * 2);
+      std::memcpy(p->lse.data(), p->step.lse.host(), p->lse.size() * 4);
     }
     EXPECT_TRUE(h.Check(*p, kExact)) << "step " << k
                                      << (modes[k] == 1   ? " (in registered memory)"

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "engine/tensor_location.h"
 #include "kernels/params.h"
 
 namespace latentd::engine {
@@ -133,20 +134,13 @@ struct DecodeStep {
   int layer = 0;
   int s_q = 1;
   bool causal = false;
-  absl::string_view q;   // [s_q, h_q, 576] raw values in the model dtype
-  absl::string_view kv;  // [s_q, h_kv, 576] the new tokens' latent rows
-  char* out = nullptr;   // [s_q, h_q, 512] model dtype, written on success
-  float* lse = nullptr;  // [h_q, s_q]
-  // Set when q, kv, out and lse all lie in memory given to Engine::RegisterHostMemory:
-  // its base and the device address it returned. The backend then moves them straight
-  // between that memory and the device, with no staging copy on the host.
-  const char* host_base = nullptr;
-  uint64_t device_base = 0;
-  // Set instead when only q and kv lie in registered host memory (a stream's own input
-  // buffers): the backend reads them from there with no staging copy and returns out
-  // and lse as for any other step. Ignored when device_base is set.
-  const char* in_host_base = nullptr;
-  uint64_t in_device_base = 0;
+  // Where each tensor lies (engine/tensor_location.h). q and kv are of one kind, and so
+  // are out and lse: in plain host memory the backend stages them; in a registered host
+  // region or a device region the device reads (writes) them in place.
+  TensorLocation q;    // [s_q, h_q, 576] raw values in the model dtype
+  TensorLocation kv;   // [s_q, h_kv, 576] the new tokens' latent rows
+  TensorLocation out;  // [s_q, h_q, 512] model dtype, written on success
+  TensorLocation lse;  // [h_q, s_q] float32
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;
@@ -165,6 +159,11 @@ struct DecodeStep {
   uint64_t unit = 0;
   void* engine_private = nullptr;
 };
+
+// Whether the device reads the step's q and kv in place, and writes its out and lse in
+// place (no staging copy on the host).
+inline bool InputsDeviceDirect(const DecodeStep& s) { return s.q.device_direct() && s.kv.device_direct(); }
+inline bool OutputsDeviceDirect(const DecodeStep& s) { return s.out.device_direct() && s.lse.device_direct(); }
 
 struct EngineMetrics {
   double steps_per_second = 0;  // over the last few seconds

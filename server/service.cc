@@ -1,8 +1,10 @@
-// latentd.v1.DecodeService on gRPC's callback API. Each Decode stream owns a reactor
-// with its own lock: steps are read off the wire (server/wire.h), validated and handed
-// to Engine::Submit, and results are coalesced into one outstanding write at a time as
-// StepDone callbacks arrive. Step buffers are recycled per stream, so the steady state
-// allocates one buffer per response and nothing per step.
+// latentd.v1.DecodeService on gRPC's callback API: the service's wiring. Each Decode
+// stream owns a reactor with its own lock that ties the units of server/decode/
+// together: steps are read off the wire (proto/wire.h), validated (step_validation.h),
+// charged (admission.h) and handed to Engine::SubmitBatch a message at a time
+// (message_groups.h), and results are coalesced into one outstanding write at a time
+// as StepDone callbacks arrive (response_layout.h), under the lifetime and start rules
+// of stream_lifetime.h. The same-host data plane is server/dataplane/.
 #include "server/service.h"
 
 #include <malloc.h>
@@ -28,6 +30,13 @@
 #include "server/dataplane/doorbell_ring.h"
 #include "server/dataplane/region_layout.h"
 #include "server/dataplane/shared_region.h"
+#include "server/decode/admission.h"
+#include "server/decode/message_groups.h"
+#include "server/decode/response_layout.h"
+#include "server/decode/step_shape.h"
+#include "server/decode/step_slot.h"
+#include "server/decode/step_validation.h"
+#include "server/decode/stream_lifetime.h"
 #include "proto/ring.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -38,7 +47,10 @@ namespace {
 using grpc::CallbackServerContext;
 using grpc::ServerUnaryReactor;
 
-constexpr int kDtypeBytes = 2;
+using decode::CheckIdField;
+using decode::CheckLayer;
+using decode::Group;
+using decode::Slot;
 
 grpc::Status Unavailable() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica");
@@ -47,27 +59,6 @@ grpc::Status Unavailable() {
 // Wraps an engine/validation error with the RPC's context.
 grpc::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), absl::StrCat(prefix, s.message()));
-}
-
-absl::Status CheckIdField(absl::string_view field, absl::string_view id, bool allow_empty) {
-  if (id.empty()) {
-    if (allow_empty) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": empty; expected the id of a sequence made by CreateSequence"));
-  }
-  if (!IsValidSequenceId(id)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": malformed id (", id.size(), " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckLayer(absl::string_view field, int layer, int num_layers) {
-  if (layer < 0 || layer >= num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", layer, " is out of range; expected 0 <= layer < ", num_layers));
-  }
-  return absl::OkStatus();
 }
 
 v1::DType ToProto(kernels::DType d) { return d == kernels::DType::kFP16 ? v1::FP16 : v1::BF16; }
@@ -79,35 +70,13 @@ grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-bool IsValidSequenceId(absl::string_view id) {
-  if (id.empty() || id.size() > 128) return false;
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == ':' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
-
 // ---------------------------------------------------------------------------------
 // Decode: one reactor per stream.
 //
-// Lifetime rule. A DecodeReactor is deleted by the Unref that takes refs_ to zero, and
-// by nothing else. refs_ holds:
-//   - one reference for gRPC, from construction until OnDone;
-//   - one per thread inside any of its methods (ScopedRef at the top of every entry
-//     point: gRPC reactions, engine StepDone, drain, housekeeping).
-// A reference may only be taken while another is held: the entry points are reached
-// either from gRPC (which holds its own until OnDone), from the engine for an accepted
-// step (no Finish, hence no OnDone, while a step is in flight), or from the stream
-// registry, which a reactor leaves in OnDone before gRPC's reference is dropped, and
-// whose visitors take their reference under the registry lock.
-// Start rule. No StartRead/StartWrite is issued after Finish: every Start* is decided
-// under mu_ (counted in starting_ until issued), and Finish is decided only when
-// finished_ is false and starting_ is zero, and sets finished_.
-// Message rule. A DecodeRequest is one unit: its valid steps go to the engine in one
-// Engine::SubmitBatch (so those that fit a launch run in one), and its results are held
-// back until all of them are answered, then written together.
+// The lifetime and start rules are decode::RefCount / StartGate (server/decode/
+// stream_lifetime.h): every entry point below holds a ScopedRef, and every Start* and
+// Finish is decided under mu_ through the gate. The message rule is
+// decode::MessageGroups.
 
 class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public engine::StepCallback {
@@ -115,27 +84,28 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial, uint64_t flow)
       : service_(service), ctx_(ctx), flow_(flow), pin_inputs_(service->options().pinned_step_inputs != ServiceOptions::PinnedInputs::kOff),
         pin_always_(service->options().pinned_step_inputs == ServiceOptions::PinnedInputs::kAlways) {
-    refs_.store(1, std::memory_order_release);  // publishes the members above (see Ref)
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
-      finished_ = true;
+      gate_.Finishing();
       Finish(std::move(initial));  // nothing can call back before the constructor returns
+      refs_.Publish();
       return;
     }
     registered_ = true;
     service_->Register(this);
-    Plan p;
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       draining_ = service_->draining();
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
+    refs_.Publish();
   }
 
   void OnReadDone(bool ok) override {
-    ScopedRef ref(this);
-    Plan p;
+    decode::ScopedRef<DecodeReactor> ref(this);
+    decode::Plan p;
     bool process = false;
     {
       absl::MutexLock l(&mu_);
@@ -143,7 +113,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       if (!ok) reads_done_ = true;
       // Steps in a read that completes after Finish (or after the client went away, or
       // once draining began) are never accepted; the stream's status says so.
-      if (ok && !finished_ && !GoneLocked() && !draining_ && fatal_.ok()) {
+      if (ok && !gate_.finished() && !GoneLocked() && !draining_ && fatal_.ok()) {
         processing_ = true;  // no Finish until every step of this read is accounted for
         process = true;
       } else {
@@ -157,12 +127,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       processing_ = false;
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
   }
 
   void OnWriteDone(bool ok) override {
-    ScopedRef ref(this);
-    Plan p;
+    decode::ScopedRef<DecodeReactor> ref(this);
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       writing_ = false;
@@ -173,18 +143,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       if (!ok) write_failed_ = true;  // the client is gone; later results are dropped
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
   }
 
   void OnCancel() override {
-    ScopedRef ref(this);
+    decode::ScopedRef<DecodeReactor> ref(this);
     cancelled_.store(true, std::memory_order_release);
-    Plan p;
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
   }
 
   void OnDone() override {
@@ -199,9 +169,9 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // A batch's steps of this stream, finished together: one pass under mu_ for all.
   void StepsDone(engine::DecodeStep* const* steps, const absl::Status* statuses, int n) override {
-    ScopedRef ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
+    decode::ScopedRef<DecodeReactor> ref(this);  // an accepted step keeps Finish, so gRPC's reference, away
     for (int i = 0; i < n; ++i)
-      if (!statuses[i].ok()) SetError(static_cast<Slot*>(steps[i]), statuses[i]);
+      if (!statuses[i].ok()) decode::SetError(static_cast<Slot*>(steps[i]), statuses[i]);
     bool submit = false;
     {
       absl::MutexLock l(&mu_);
@@ -215,22 +185,32 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     PlanAndAct();
   }
 
-  // Acquire: the first Ref on another gRPC thread (OnCancel, say) then synchronizes with
-  // the constructor's release store, an ordering gRPC provides but TSan cannot see.
-  void Ref() { refs_.fetch_add(1, std::memory_order_acquire); }
+  // Lifetime rule (stream_lifetime.h).
+  void Ref() { refs_.Ref(); }
   void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+    if (refs_.Unref()) delete this;
+  }
+
+  // decode::Act's entry points: the Start* and Finish calls a plan decided, and the
+  // next plan once they are out.
+  void IssueWrite() { StartWrite(&write_buf_); }
+  void IssueRead() { StartRead(&read_buf_); }
+  void IssueFinish(const grpc::Status& status) { Finish(status); }
+  decode::Plan Replan() {
+    absl::MutexLock l(&mu_);
+    gate_.Started();
+    return PlanLocked();
   }
 
   // The caller holds a reference (the registry visit).
   void BeginDrain() {
-    Plan p;
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       draining_ = true;
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
   }
 
   // Cancels the stream if a response write has been pending since before `cutoff`, or
@@ -241,8 +221,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool CancelIfStalled(absl::Time cutoff) {
     {
       absl::MutexLock l(&mu_);
-      if (finished_ || cancelling_) return false;
-      const bool write_stalled = writing_ && write_started_ < cutoff;
+      if (gate_.finished() || cancelling_) return false;
+      const bool write_stalled = decode::Stalled(writing_, write_started_, cutoff);
       // ring_ is set before ring_running_ (under mu_), and fixed from then on.
       const bool ring_stalled =
           ring_running_ &&
@@ -254,13 +234,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       cancelling_ = true;
     }
     ctx_->TryCancel();
-    Plan p;
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       cancelling_ = false;
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
     return true;
   }
 
@@ -274,9 +254,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const bool was_idle = idle_since_trim_;
       idle_since_trim_ = idle;
       const size_t keep = static_cast<size_t>(service_->options().idle_stream_slots);
-      if (!idle || !was_idle || free_.size() <= keep) return 0;
-      spare.assign(free_.begin() + static_cast<std::ptrdiff_t>(keep), free_.end());
-      free_.resize(keep);
+      if (!idle || !was_idle || slots_.size() <= keep) return 0;
+      slots_.TakeSpare(keep, &spare);
       batch_.shrink_to_fit();
     }
     for (Slot* s : spare) DeleteSlot(s);  // outside mu_
@@ -284,74 +263,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
  private:
-  // One step's storage, owned by the stream and reused. The engine sees the DecodeStep
-  // base only and hands it back in StepDone.
-  struct Slot : engine::DecodeStep {
-    std::string q_buf, kv_buf;     // inputs, read straight off the wire
-    // Where the wire reader puts q and kv when they fit (--pinned_step_inputs): page-aligned
-    // memory registered with the engine, [q of pin_s_q tokens | kv of pin_s_q tokens], so
-    // the device reads them from here with no staging copy. Grown, and registered again,
-    // only when a step does not fit (warm-up); never while the slot is in flight.
-    char* pin = nullptr;
-    size_t pin_bytes = 0, pin_kv_at = 0;
-    int64_t pin_s_q = 0;
-    uint64_t pin_device = 0;
-    std::string out_buf, lse_buf;  // results, written by the engine in place
-    int32_t code = 0;              // google.rpc code of the result
-    std::string message;
-    // Bytes counted against max_inflight_bytes: what the buffers hold, spare capacity
-    // included, until the slot is deleted.
-    int64_t charged = 0;
-    bool accepted = false;         // the engine took it (its result counts as delivered or not)
-    uint64_t group = 0;            // the message it came in (Group::id)
-    Slot* group_next = nullptr;    // answered steps of its message, waiting for the rest
-    bool trace = false;            // DecodeStep.trace: send StepTiming back
-    bool in_region = false;        // tensors in the stream's shared region, not in the buffers
-    // Zero-copy result: its StepResult laid out in the message's response buffer before
-    // it runs, with `out` pointing inside; lse and timing are written at part_tail when
-    // the response is built. Counted in `charged` like the slot's own buffers.
-    bool laid_out = false;
-    grpc::Slice part;
-    size_t part_tail = 0;
-    absl::Time received, parsed, submitted, completed;
-    wire::Timing timing;           // filled when the response is built
-  };
-
-  // One DecodeRequest whose results are not all in yet.
-  struct Group {
-    uint64_t id = 0;
-    int remaining = 0;     // valid steps not yet answered
-    Slot* held = nullptr;  // answered ones (and invalid ones), linked by group_next
-    bool ring = false;     // taken from the doorbell ring: results go to its completion queue
-  };
-
-  class ScopedRef {
-   public:
-    explicit ScopedRef(DecodeReactor* r) : r_(r) { r_->Ref(); }
-    ~ScopedRef() { r_->Unref(); }
-    ScopedRef(const ScopedRef&) = delete;
-    ScopedRef& operator=(const ScopedRef&) = delete;
-
-   private:
-    DecodeReactor* const r_;
-  };
-
-  // What to do after a state change: decided under mu_, done after releasing it, since
-  // gRPC may run reactions (even OnDone) at the end of a Start*/Finish call.
-  struct Plan {
-    bool read = false;
-    bool write = false;
-    bool finish = false;
-    grpc::Status status;
-  };
-
   bool GoneLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return cancelled_.load(std::memory_order_acquire) || write_failed_;
   }
 
-  Plan PlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Plan p;
-    if (finished_) return p;
+  decode::Plan PlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    decode::Plan p;
+    if (gate_.finished()) return p;
     const bool gone = GoneLocked();
     if (gone && !submitting_ && !deferred_.empty()) {
       // Never submitted: nothing to answer.
@@ -379,13 +297,13 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       write_started_ = absl::Now();
       p.write = true;
     }
-    const int64_t open = inflight_ + held_ + static_cast<int64_t>(done_.size() + deferred_.size());
+    const int64_t open = decode::OpenSteps(inflight_, held_, done_.size(), deferred_.size());
     if (!reading_ && !processing_ && !reads_done_ && !gone && !draining_ && fatal_.ok() && deferred_.empty() &&
         open < service_->options().max_stream_inflight) {
       reading_ = true;
       p.read = true;
     }
-    if (p.read || p.write) ++starting_;
+    if (p.read || p.write) gate_.Starting();
     const bool over = gone || (reads_done_ && !reading_) || draining_ || !fatal_.ok();
     if (ring_running_) {
       // The ring's thread stops at once when the stream cannot go on, and after taking
@@ -396,8 +314,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     const bool idle = inflight_ == 0 && held_ == 0 && !writing_ && done_.empty() && deferred_.empty() &&
                       !submitting_ && !processing_ && (region_reply_.empty() || gone) && !ring_running_;
-    if (idle && over && starting_ == 0 && !cancelling_) {
-      finished_ = true;
+    if (idle && over && gate_.MayFinish() && !cancelling_) {
+      gate_.Finishing();
       p.finish = true;
       if (gone) {
         p.status = grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
@@ -412,92 +330,14 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return p;
   }
 
-  // Issues what the plan says, then re-plans once the Start* calls are out: a Finish
-  // that had to wait for them is decided then.
-  void Act(Plan p) {
-    for (;;) {
-      if (p.write) StartWrite(&write_buf_);
-      if (p.read) StartRead(&read_buf_);
-      if (p.finish) {
-        Finish(p.status);
-        return;
-      }
-      if (!p.read && !p.write) return;
-      absl::MutexLock l(&mu_);
-      --starting_;
-      p = PlanLocked();
-    }
-  }
-
-  static wire::ResultView View(const Slot* s) {
-    wire::ResultView v;
-    v.request_id = s->request_id;
-    v.code = s->code;
-    if (s->code == 0) {
-      if (!s->in_region) {  // region steps' results are already in place
-        v.out = &s->out_buf;
-        v.lse = &s->lse_buf;
-      }
-    } else {
-      v.message = &s->message;
-    }
-    if (s->trace) v.timing = &s->timing;
-    return v;
-  }
-
-  static void FillTiming(Slot* s, absl::Time response) {
-    auto us = [](absl::Time t) { return t == absl::Time() ? int64_t{0} : absl::ToUnixMicros(t); };
-    wire::Timing& t = s->timing;
-    t.received_us = us(s->received);
-    t.parsed_us = us(s->parsed);
-    t.submitted_us = us(s->submitted);
-    t.batched_us = us(s->batched_at);
-    t.launched_us = us(s->launched_at);
-    t.finished_us = us(s->finished_at);
-    t.completed_us = us(s->completed);
-    t.response_us = us(response);
-  }
-
-  // Serializes finished results into write_buf_, up to the byte cap (at least one
-  // result), and takes their slots back.
-  static bool InPlace(const Slot* s) { return s->laid_out && s->code == 0; }
-
-  // The response: laid-out results go as they are (slices of their message's buffer,
-  // no copy of out); the others are serialized into small slices between them.
+  // The response: up to --max_response_bytes of answered results (response_layout.h),
+  // their slots taken back.
   void FillResponseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const int64_t cap = service_->options().max_response_bytes;
-    const absl::Time now = absl::Now();
-    size_t bytes = 0, taken = 0;
-    while (taken < done_.size()) {
-      Slot* s = done_[taken];
-      if (s->trace) FillTiming(s, now);
-      const size_t b = InPlace(s) ? s->part.size() : wire::EncodedResultSize(View(s));
-      if (taken > 0 && static_cast<int64_t>(bytes + b) > cap) break;
-      bytes += b;
-      ++taken;
-    }
+    const size_t taken = decode::FillResponse(done_.data(), done_.size(), service_->options().max_response_bytes,
+                                              absl::Now(), &parts_, &write_buf_);
     write_results_ = AcceptedAmong(taken);
-    parts_.clear();
-    for (size_t i = 0; i < taken;) {
-      Slot* s = done_[i];
-      if (InPlace(s)) {
-        uint8_t* base = const_cast<uint8_t*>(s->part.begin());
-        wire::EncodeSuccessTail(s->lse_buf, s->trace ? &s->timing : nullptr, base + s->part_tail);
-        parts_.push_back(s->part);
-        ++i;
-        continue;
-      }
-      size_t run = 0, j = i;  // consecutive serialized results share one slice
-      for (; j < taken && !InPlace(done_[j]); ++j) run += wire::EncodedResultSize(View(done_[j]));
-      grpc::Slice slice(run);
-      uint8_t* p = const_cast<uint8_t*>(slice.begin());
-      for (; i < j; ++i) p = wire::EncodeResult(View(done_[i]), p);
-      parts_.push_back(std::move(slice));
-    }
     for (size_t i = 0; i < taken; ++i) RecycleLocked(done_[i]);
     done_.erase(done_.begin(), done_.begin() + taken);
-    write_buf_ = grpc::ByteBuffer(parts_.data(), parts_.size());
-    parts_.clear();  // the byte buffer holds its own references
   }
 
   size_t AcceptedAmong(size_t first_n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -507,37 +347,8 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void RecycleLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    DropPart(s);
-    free_.push_back(s);
-  }
-
-  // Gives up the slot's share of its message's response buffer (gRPC keeps its own
-  // references to what it is sending).
-  static void DropPart(Slot* s) {
-    s->part = grpc::Slice();
-    s->laid_out = false;
-  }
-
-  // Groups live in a ring in message order; a group leaves it once it and every older
-  // one are flushed. The ring only grows (to the most messages a stream has had open
-  // at once), so the steady state allocates nothing.
-  Group* NewGroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (group_count_ == groups_.size()) {
-      std::vector<Group> grown(std::max<size_t>(4, 2 * groups_.size()));
-      for (size_t i = 0; i < group_count_; ++i) grown[i] = groups_[(group_head_ + i) % groups_.size()];
-      groups_.swap(grown);
-      group_head_ = 0;
-    }
-    Group* g = &groups_[(group_head_ + group_count_) % groups_.size()];
-    ++group_count_;
-    *g = Group();
-    g->id = next_group_++;
-    return g;
-  }
-
-  Group* FindGroupLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const uint64_t front = groups_[group_head_].id;
-    return &groups_[(group_head_ + static_cast<size_t>(id - front)) % groups_.size()];
+    decode::DropPart(s);
+    slots_.Put(s);
   }
 
   // The message's last step is answered: its results become writable together.
@@ -555,32 +366,20 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       s = next;
     }
     g->held = nullptr;
-    while (group_count_ > 0 && groups_[group_head_].remaining == 0 && groups_[group_head_].held == nullptr) {
-      group_head_ = (group_head_ + 1) % groups_.size();
-      --group_count_;
-    }
+    groups_.PopReleased();
   }
 
   // A result (or an error answered by the stream) for one of a message's valid steps.
   void AnsweredLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Group* g = FindGroupLocked(s->group);
-    s->group_next = g->held;
-    g->held = s;
     ++held_;
-    if (--g->remaining == 0) FlushLocked(g);
+    if (groups_.Answered(s)) FlushLocked(groups_.Find(s->group));
   }
 
   // A valid step that will never be submitted (the client went away).
   void DroppedLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Group* g = FindGroupLocked(s->group);
+    Group* g = groups_.Find(s->group);
     RecycleLocked(s);
     if (--g->remaining == 0) FlushLocked(g);
-  }
-
-  static int64_t HeldBytes(const Slot* s) {
-    return static_cast<int64_t>(s->q_buf.capacity() + s->kv_buf.capacity() + s->out_buf.capacity() +
-                                s->lse_buf.capacity() + s->sequence_id.capacity() + s->message.capacity() +
-                                s->pin_bytes);
   }
 
   void FreePinned(Slot* s) {
@@ -597,21 +396,20 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // makes them large enough for it next time, charged like the slot's other buffers.
   // The stream stops trying once the engine does not register memory (the CPU backend,
   // unless kAlways); a refused budget only skips this growth.
-  void GrowPinned(Slot* s, int64_t s_q, const DecodeServiceImpl::Shape& sh) {
+  void GrowPinned(Slot* s, int64_t s_q, const decode::StepShape& sh) {
     if (!pin_inputs_ || s_q <= s->pin_s_q) return;
-    const size_t page = 4096;
-    const size_t kv_at = static_cast<size_t>(s_q * sh.q_row_bytes + 255) / 256 * 256;
-    const size_t bytes = (kv_at + static_cast<size_t>(s_q * sh.kv_row_bytes) + page - 1) / page * page;
+    const decode::PinnedSize size = decode::PinnedFor(s_q, sh);
+    const size_t kv_at = size.kv_at, bytes = size.bytes;
     const int64_t old_bytes = static_cast<int64_t>(s->pin_bytes);
     const int64_t grow = static_cast<int64_t>(bytes) - old_bytes;
-    if (grow > 0 && !service_->ChargeInflight(grow)) return;
+    if (grow > 0 && !service_->inflight_.Charge(grow)) return;
     FreePinned(s);  // its bytes stay charged until the new buffer is in place or refused
     void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     const uint64_t dev = m == MAP_FAILED ? 0 : service_->engine()->RegisterHostMemory(m, bytes);
     if (m == MAP_FAILED || (dev == 0 && !pin_always_)) {
       if (m != MAP_FAILED) munmap(m, bytes);
       pin_inputs_ = false;
-      service_->ReleaseInflight(grow + old_bytes);
+      service_->inflight_.Release(grow + old_bytes);
       s->charged -= old_bytes;
       return;
     }
@@ -623,53 +421,17 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     s->charged += grow;  // s_q only grows, so the buffer never shrinks here
   }
 
-  // Brings the slot's charge up to what its buffers hold plus `extra` bytes they are
-  // about to grow by. Over --max_inflight_bytes, gives the inputs just read back (so
-  // nothing stays held uncharged) and returns RESOURCE_EXHAUSTED naming the flag.
+  // decode::ChargeSlot against --max_inflight_bytes, counting a refusal.
   absl::Status ChargeSlot(Slot* s, int64_t extra) {
-    const int64_t want = HeldBytes(s) + extra;
-    if (want <= s->charged) return absl::OkStatus();
-    if (service_->ChargeInflight(want - s->charged)) {
-      s->charged = want;
-      return absl::OkStatus();
-    }
-    std::string().swap(s->q_buf);
-    std::string().swap(s->kv_buf);
-    service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("server busy: step buffers of all streams are at --max_inflight_bytes=",
-                     service_->options().max_inflight_bytes, "; retry after results come back"));
-  }
-
-  // Slots for a message of n steps: spare ones first, new ones beyond them.
-  void TakeSlotsLocked(int n, std::vector<Slot*>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    out->clear();
-    for (int i = 0; i < n; ++i) {
-      if (free_.empty()) {
-        out->push_back(new Slot());
-      } else {
-        out->push_back(free_.back());
-        free_.pop_back();
-      }
-    }
-  }
-
-  // A slot about to be read into: its result and timestamps from a previous step cleared.
-  static void ResetSlot(Slot* s, uint64_t request_id, bool trace, absl::Time received) {
-    s->request_id = request_id;
-    s->code = 0;
-    s->accepted = false;
-    s->message.clear();
-    s->trace = trace;
-    s->received = received;
-    s->submitted = s->batched_at = s->launched_at = s->finished_at = s->completed = absl::Time();
-    s->complete_inline = false;
+    absl::Status st = decode::ChargeSlot(s, extra, &service_->inflight_);
+    if (!st.ok()) service_->refused_steps_bytes_.fetch_add(1, std::memory_order_relaxed);
+    return st;
   }
 
   // Makes a message's n read slots one group: valid ones wait to be submitted, the
   // others are answered with the rest of the group. True if the caller is to submit.
   bool QueueGroupLocked(Slot* const* slots, int n, bool ring, absl::Time parsed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Group* g = NewGroupLocked();
+    Group* g = groups_.New();
     g->ring = ring;
     for (int i = 0; i < n; ++i) {
       Slot* s = slots[i];
@@ -679,8 +441,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         deferred_.push_back(s);
         ++g->remaining;
       } else {
-        s->group_next = g->held;  // answered at once, delivered with the rest
-        g->held = s;
+        decode::MessageGroups::Hold(g, s);  // answered at once, delivered with the rest
         ++held_;
       }
     }
@@ -689,15 +450,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void DeleteSlot(Slot* s) {
-    DropPart(s);
+    decode::DropPart(s);
     FreePinned(s);  // its bytes are part of s->charged, released below
-    if (s->charged > 0) service_->ReleaseInflight(s->charged);
+    decode::ReleaseSlot(s, &service_->inflight_);
     delete s;
-  }
-
-  static void SetError(Slot* s, const absl::Status& status) {
-    s->code = static_cast<int32_t>(status.code());
-    s->message.assign(status.message().data(), status.message().size());
   }
 
   void SetFatal(grpc::StatusCode code, absl::string_view message) {
@@ -713,7 +469,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Process() {
     const absl::Time received = absl::Now();
     const ServiceOptions& o = service_->options();
-    const DecodeServiceImpl::Shape& sh = service_->shape();
+    const decode::StepShape& sh = service_->shape();
     int count = 0;
     {
       grpc::ProtoBufferReader reader(&read_buf_);
@@ -726,27 +482,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                      " steps in one message (--max_steps_per_message); send fewer per message"));
       }
       count = *n;
-      if (open_region > 0 && cuda_region_.present) {
-        return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                        "DecodeRequest.open_region_bytes, open_cuda_region: expected at most one of them");
+      if (absl::Status st = decode::CheckOpenFields({open_region, cuda_region_.present, ring_entries}); !st.ok()) {
+        return SetFatal(grpc::StatusCode::INVALID_ARGUMENT, st.message());
       }
       if (ring_entries > 0) {
-        if (open_region == 0 && !cuda_region_.present) {
-          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                          "DecodeRequest.region_ring_entries: expected with open_region_bytes or open_cuda_region (a "
-                          "ring belongs to the region it opens)");
-        }
-        if (!ring::ValidEntries(ring_entries)) {
-          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("DecodeRequest.region_ring_entries: ", ring_entries,
-                                       "; expected a power of two from 1 to ", ring::kMaxEntries));
-        }
-        const uint64_t ring_bytes = ring::RingBytes(static_cast<uint32_t>(ring_entries));
-        if (!cuda_region_.present && open_region < ring_bytes) {
-          return SetFatal(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("DecodeRequest.open_region_bytes: ", open_region, "; expected at least the ",
-                                       ring_bytes, " bytes a ring of ", ring_entries, " entries takes"));
-        }
         if (region_ == nullptr) {
           ring_peer_ = ctx_->peer();
           if (absl::Status charged = service_->ChargeRing(ring_peer_); !charged.ok()) {
@@ -770,7 +509,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     {
       absl::MutexLock l(&mu_);
-      TakeSlotsLocked(count, &batch_);
+      slots_.Take(count, &batch_);
     }
     wire::StepBounds bounds;
     bounds.max_q_bytes = sh.max_s_q * sh.q_row_bytes;
@@ -796,111 +535,74 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                                                : more.status().message());
         break;
       }
-      ResetSlot(slot, f.request_id, f.trace, received);
-      absl::Status st = f.has_region ? ValidateRegion(f, read, sh) : Validate(f, read, sh);
+      decode::ResetSlot(slot, f.request_id, f.trace, received);
+      absl::Status st = f.has_region ? decode::ValidateRegionStep(f, read, sh, Region())
+                                     : decode::ValidateByteStep(f, read, sh);
       int64_t extra = 0;  // the results' buffers, sized in Prepare
-      if (st.ok() && !f.has_region) {
-        // lse grows the slot's buffer; out goes into the message's response buffer
-        // (LayOut), counted here with the slot that will hand it over.
-        const int64_t s_q = f.q_bytes / sh.q_row_bytes;
-        extra = std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(slot->lse_buf.capacity())) +
-                s_q * (sh.out_row_bytes + 64);
-      }
+      if (st.ok() && !f.has_region) extra = decode::ResultCharge(f.q_bytes / sh.q_row_bytes, slot->lse_buf.capacity(), sh);
       if (absl::Status charged = ChargeSlot(slot, extra); !charged.ok()) st = charged;
       if (st.ok()) Prepare(slot, f, sh);
       if (st.ok() && !f.has_region && !(f.q_raw && f.kv_raw)) GrowPinned(slot, slot->s_q, sh);
       slot->code = static_cast<int32_t>(st.code());
-      if (!st.ok()) SetError(slot, st);
+      if (!st.ok()) decode::SetError(slot, st);
     }
-    LayOut(read, sh);
+    // Buffers of about one response each (--max_response_bytes).
+    decode::LayOut(batch_.data(), read, sh,
+                   static_cast<size_t>(std::max<int64_t>(1, service_->options().max_response_bytes)));
     const absl::Time parsed = absl::Now();
     bool submit = false;
     {
       absl::MutexLock l(&mu_);
-      for (int i = read; i < count; ++i) free_.push_back(batch_[i]);  // never filled
+      for (int i = read; i < count; ++i) slots_.Put(batch_[i]);  // never filled
       submit = QueueGroupLocked(batch_.data(), read, false, parsed);
     }
     if (submit) SubmitDeferred();
   }
 
-  // Lays out the results of the message's valid byte steps in response buffers (one
-  // allocation per response's worth, not per step), so the engine writes out where
-  // gRPC will send it from.
-  void LayOut(int read, const DecodeServiceImpl::Shape& sh) {
-    // Buffers of about one response each (--max_response_bytes): a buffer stays alive
-    // while gRPC holds any result in it, so smaller ones give memory back sooner.
-    const size_t cap = static_cast<size_t>(std::max<int64_t>(1, service_->options().max_response_bytes));
-    for (int i = 0; i < read;) {
-      size_t total = 0;
-      int j = i;
-      for (; j < read; ++j) {
-        Slot* s = batch_[j];
-        if (s->code != 0 || s->in_region) continue;
-        const size_t b = ResultBytes(s, sh);
-        if (total > 0 && total + b > cap) break;
-        total += b;
-      }
-      if (total > 0) {
-        grpc::Slice buffer(total);
-        uint8_t* base = const_cast<uint8_t*>(buffer.begin());
-        size_t at = 0;
-        for (int k = i; k < j; ++k) {
-          Slot* s = batch_[k];
-          if (s->code != 0 || s->in_region) continue;
-          const size_t out_bytes = static_cast<size_t>(s->s_q * sh.out_row_bytes);
-          const wire::ResultLayout l = wire::SuccessLayout(s->request_id, out_bytes, s->lse_buf.size(), s->trace);
-          wire::EncodeSuccessHead(s->request_id, out_bytes, s->lse_buf.size(), s->trace, base + at);
-          s->out = reinterpret_cast<char*>(base + at + l.out_at);
-          s->part = buffer.sub(at, at + l.bytes);
-          s->part_tail = l.tail_at;
-          s->laid_out = true;
-          at += l.bytes;
-        }
-      }
-      i = j;
-    }
-  }
-
-  // A successful byte step's result inside the response, out included.
-  static size_t ResultBytes(const Slot* s, const DecodeServiceImpl::Shape& sh) {
-    return wire::SuccessLayout(s->request_id, static_cast<size_t>(s->s_q * sh.out_row_bytes),
-                               static_cast<size_t>(s->s_q * sh.lse_row_bytes), s->trace)
-        .bytes;
-  }
+  // The stream's region as its steps are checked against (step_validation.h).
+  decode::RegionExtent Region() const { return {region_ != nullptr, region_bytes_, ring_bytes_}; }
 
   // Fills the engine's fields of a valid, charged step.
-  void Prepare(Slot* slot, const wire::StepFields& f, const DecodeServiceImpl::Shape& sh) {
+  void Prepare(Slot* slot, const wire::StepFields& f, const decode::StepShape& sh) {
     const int s_q = f.has_region ? static_cast<int>(f.region_s_q) : static_cast<int>(f.q_bytes / sh.q_row_bytes);
     slot->layer = f.layer;
     slot->s_q = s_q;
     slot->causal = f.causal;
     slot->flow = flow_;
     slot->in_region = f.has_region;
-    if (f.has_region) {  // bounds and alignment checked in ValidateRegion
-      slot->q = absl::string_view(region_ + f.q_offset, static_cast<size_t>(s_q * sh.q_row_bytes));
-      slot->kv = absl::string_view(region_ + f.kv_offset, static_cast<size_t>(s_q * sh.kv_row_bytes));
-      slot->out = region_ + f.out_offset;
-      slot->lse = reinterpret_cast<float*>(region_ + f.lse_offset);
-      slot->host_base = region_device_ != 0 ? region_ : nullptr;
-      slot->device_base = region_device_;
-      slot->in_host_base = nullptr;
-      slot->in_device_base = 0;
-    } else {
-      slot->host_base = nullptr;
-      slot->device_base = 0;
-      slot->q = f.q_raw ? absl::string_view(slot->pin, static_cast<size_t>(f.q_bytes)) : absl::string_view(slot->q_buf);
-      slot->kv = f.kv_raw ? absl::string_view(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
-                          : absl::string_view(slot->kv_buf);
+    using engine::TensorLocation;
+    if (f.has_region) {  // bounds and alignment checked in ValidateRegionStep
+      // A CUDA region is device memory; a shared region the engine registered is read
+      // and written by the device in place; else its tensors are staged host bytes.
+      const engine::MemoryRegion r{region_, region_device_, region_bytes_};
+      auto at = [&](uint64_t offset, int64_t row_bytes) {
+        const size_t bytes = static_cast<size_t>(s_q * row_bytes);
+        if (region_is_cuda_) return TensorLocation::InDeviceRegion(r, offset, bytes);
+        if (region_device_ != 0) return TensorLocation::InHostRegion(r, offset, bytes);
+        return TensorLocation::Host(region_ + offset, bytes);
+      };
+      slot->q = at(f.q_offset, sh.q_row_bytes);
+      slot->kv = at(f.kv_offset, sh.kv_row_bytes);
+      slot->out = at(f.out_offset, sh.out_row_bytes);
+      slot->lse = at(f.lse_offset, sh.lse_row_bytes);
+    } else if (f.q_raw && f.kv_raw && slot->pin_device != 0) {
       // Both in the registered buffer: the device reads them there (no staging copy).
-      const bool pinned = f.q_raw && f.kv_raw && slot->pin_device != 0;
-      slot->in_host_base = pinned ? slot->pin : nullptr;
-      slot->in_device_base = pinned ? slot->pin_device : 0;
+      const engine::MemoryRegion pin{slot->pin, slot->pin_device, slot->pin_bytes};
+      slot->q = TensorLocation::InHostRegion(pin, 0, static_cast<size_t>(f.q_bytes));
+      slot->kv = TensorLocation::InHostRegion(pin, slot->pin_kv_at, static_cast<size_t>(f.kv_bytes));
+    } else {
+      slot->q = f.q_raw ? TensorLocation::Host(slot->pin, static_cast<size_t>(f.q_bytes))
+                        : TensorLocation::Host(slot->q_buf.data(), slot->q_buf.size());
+      slot->kv = f.kv_raw ? TensorLocation::Host(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
+                          : TensorLocation::Host(slot->kv_buf.data(), slot->kv_buf.size());
+    }
+    if (!f.has_region) {
       if (f.q_raw && f.kv_raw) service_->steps_inputs_pinned_.fetch_add(1, std::memory_order_relaxed);
       slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
-      slot->out = nullptr;  // set by LayOut
-      slot->lse = reinterpret_cast<float*>(&slot->lse_buf[0]);
+      slot->out = TensorLocation();  // set by LayOut
+      slot->lse = TensorLocation::Host(&slot->lse_buf[0], slot->lse_buf.size());
     }
-    if (slot->device_base != 0 || slot->in_device_base != 0)
+    if (engine::InputsDeviceDirect(*slot))
       service_->steps_inputs_device_direct_.fetch_add(1, std::memory_order_relaxed);
     slot->deadline =
         f.timeout_ms > 0 ? absl::Now() + absl::Milliseconds(f.timeout_ms) : absl::InfiniteFuture();
@@ -948,45 +650,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         if (statuses_[i].ok()) continue;
         Slot* s = static_cast<Slot*>(submit_[i]);
         s->accepted = false;
-        SetError(s, statuses_[i]);
+        decode::SetError(s, statuses_[i]);
         absl::MutexLock l(&mu_);
         --inflight_;
         AnsweredLocked(s);
       }
     }
-  }
-
-  // The fields every step has, wherever its tensors are.
-  static absl::Status CheckIdAndLayer(const wire::StepFields& in, const DecodeServiceImpl::Shape& sh) {
-    if (in.sequence_id_bytes > 128) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence_id: malformed id (", in.sequence_id_bytes,
-                                                     " bytes); expected 1 to 128 characters from [A-Za-z0-9._:-]"));
-    }
-    absl::Status st = CheckIdField("sequence_id", *in.sequence_id, false);
-    if (st.ok()) st = CheckLayer("layer", in.layer, sh.num_layers);
-    return st;
-  }
-
-  static absl::Status Validate(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) {
-    absl::Status st = CheckIdAndLayer(in, sh);
-    if (st.ok()) {
-      const int64_t qb = in.q_bytes;
-      if (qb == 0 || qb % sh.q_row_bytes != 0 || qb / sh.q_row_bytes > sh.max_s_q) {
-        st = absl::InvalidArgumentError(absl::StrCat(
-            "q: ", qb, " bytes; expected s_q * h_q * 576 * 2 = s_q * ", sh.q_row_bytes, " bytes ([s_q, ", sh.h_q,
-            ", 576] in the server dtype) with 1 <= s_q <= ", sh.max_s_q));
-      } else {
-        const int64_t s_q = qb / sh.q_row_bytes;
-        if (in.kv_bytes != s_q * sh.kv_row_bytes) {
-          st = absl::InvalidArgumentError(absl::StrCat("kv: ", in.kv_bytes, " bytes; expected s_q * h_kv * 576 * 2 = ",
-                                                       s_q * sh.kv_row_bytes, " bytes ([", s_q, ", ", sh.h_kv,
-                                                       ", 576], one new row per query token)"));
-        }
-      }
-    }
-    if (st.ok()) return st;
-    return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id, ").",
-                                                st.message()));
   }
 
   // Same-host data plane: a sealed memory file of `bytes` bytes (dataplane::SharedFile),
@@ -1144,7 +813,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     explicit RingFeed(DecodeReactor* r) : r_(r) {}
     int64_t Room() override {
       absl::MutexLock l(&r_->mu_);
-      const int64_t open = r_->inflight_ + r_->held_ + static_cast<int64_t>(r_->done_.size() + r_->deferred_.size());
+      const int64_t open = decode::OpenSteps(r_->inflight_, r_->held_, r_->done_.size(), r_->deferred_.size());
       return r_->service_->options().max_stream_inflight - open;
     }
     void Take(uint32_t head, uint32_t count) override { r_->TakeRing(head, count); }
@@ -1170,12 +839,12 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void PlanAndAct() {
-    Plan p;
+    decode::Plan p;
     {
       absl::MutexLock l(&mu_);
       p = PlanLocked();
     }
-    Act(p);
+    decode::Act(this, p);
   }
 
   // Reads `take` published entries from `head` on into slots (each entry copied out of
@@ -1183,10 +852,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // one group, answered on the completion queue.
   void TakeRing(uint32_t head, uint32_t take) {
     const absl::Time received = absl::Now();
-    const DecodeServiceImpl::Shape& sh = service_->shape();
+    const decode::StepShape& sh = service_->shape();
     {
       absl::MutexLock l(&mu_);
-      TakeSlotsLocked(static_cast<int>(take), &ring_batch_);
+      slots_.Take(static_cast<int>(take), &ring_batch_);
     }
     for (uint32_t i = 0; i < take; ++i) {
       Slot* slot = ring_batch_[i];
@@ -1204,20 +873,14 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       f.sequence_id_bytes = e.sequence_id_bytes;
       f.sequence_id = &slot->sequence_id;
       slot->sequence_id.assign(e.sequence_id, std::min<uint32_t>(e.sequence_id_bytes, ring::kMaxSequenceId));
-      ResetSlot(slot, f.request_id, e.trace == 1, received);
+      decode::ResetSlot(slot, f.request_id, e.trace == 1, received);
       slot->complete_inline = true;  // its completion is a store into the ring (PostLocked)
-      absl::Status st;
-      if (e.causal > 1 || e.trace > 1) {
-        st = absl::InvalidArgumentError(absl::StrCat("ring entry ", head + i, " (request_id ", e.request_id, ").",
-                                                     e.causal > 1 ? "causal: " : "trace: ",
-                                                     e.causal > 1 ? e.causal : e.trace, "; expected 0 or 1"));
-      } else {
-        st = ValidateRegion(f, static_cast<int>(i), sh);
-      }
+      absl::Status st = decode::CheckRingFlags(head + i, e.request_id, e.causal, e.trace);
+      if (st.ok()) st = decode::ValidateRegionStep(f, static_cast<int>(i), sh, Region());
       if (absl::Status charged = ChargeSlot(slot, 0); !charged.ok()) st = charged;
       if (st.ok()) Prepare(slot, f, sh);
       slot->code = static_cast<int32_t>(st.code());
-      if (!st.ok()) SetError(slot, st);
+      if (!st.ok()) decode::SetError(slot, st);
     }
     service_->steps_ring_.fetch_add(take, std::memory_order_relaxed);
     const absl::Time parsed = absl::Now();
@@ -1237,22 +900,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     for (Slot* s = g->held; s != nullptr;) {
       Slot* next = s->group_next;
       s->group_next = nullptr;
-      ring::CqEntry* c = ring_->Completion(cq_tail_);
-      c->request_id = s->request_id;
-      c->code = s->code;
-      const size_t m = std::min<size_t>(s->message.size(), ring::kMaxMessage);
-      c->message_bytes = static_cast<uint32_t>(m);
-      if (m > 0) std::memcpy(c->message, s->message.data(), m);
-      if (s->trace) {
-        s->completed = now;
-        FillTiming(s, now);
-        const wire::Timing& t = s->timing;
-        const int64_t stamps[8] = {t.received_us, t.parsed_us,   t.submitted_us, t.batched_us,
-                                   t.launched_us, t.finished_us, t.completed_us, t.response_us};
-        std::memcpy(c->timing_us, stamps, sizeof(stamps));
-      } else {
-        std::memset(c->timing_us, 0, sizeof(c->timing_us));
-      }
+      decode::FillCompletion(s, now, ring_->Completion(cq_tail_));
       ++cq_tail_;
       delivered += s->accepted ? 1 : 0;
       --held_;
@@ -1264,31 +912,10 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     ring_->Publish(cq_tail_);
   }
 
-  // A step whose tensors are in the region: every tensor inside it and aligned.
-  absl::Status ValidateRegion(const wire::StepFields& in, int index, const DecodeServiceImpl::Shape& sh) const {
-    absl::Status st = CheckIdAndLayer(in, sh);
-    if (st.ok() && region_ == nullptr) {
-      st = absl::InvalidArgumentError(
-          "region: this stream has no region; send DecodeRequest.open_region_bytes or open_cuda_region first");
-    }
-    if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
-      st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
-    }
-    if (st.ok()) {
-      const dataplane::RowBytes rows{static_cast<uint64_t>(sh.q_row_bytes), static_cast<uint64_t>(sh.kv_row_bytes),
-                                     static_cast<uint64_t>(sh.out_row_bytes), static_cast<uint64_t>(sh.lse_row_bytes)};
-      st = dataplane::CheckRegionTensors({in.region_s_q, in.q_offset, in.kv_offset, in.out_offset, in.lse_offset},
-                                         rows, static_cast<uint64_t>(sh.max_s_q), {region_bytes_, ring_bytes_});
-    }
-    if (st.ok()) return st;
-    return absl::Status(st.code(), absl::StrCat("steps[", index, "] (request_id ", in.request_id, ").",
-                                                st.message()));
-  }
-
   ~DecodeReactor() override {
-    // Every slot is in free_, done_ or deferred_ by now (nothing in flight once Finish
+    // Every slot is in slots_, done_ or deferred_ by now (nothing in flight once Finish
     // was decided).
-    for (Slot* s : free_) DeleteSlot(s);
+    for (Slot* s : slots_.all()) DeleteSlot(s);
     for (Slot* s : deferred_) DeleteSlot(s);
     for (Slot* s : done_) DeleteSlot(s);
     // No step reads or writes the region any more, and the ring's thread has stopped;
@@ -1308,7 +935,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   const uint64_t flow_;               // the engine's fairness key for this stream's steps
   bool registered_ = false;
   std::atomic<bool> cancelled_{false};
-  std::atomic<int> refs_{1};  // see the lifetime rule above
+  decode::RefCount refs_;  // the lifetime rule (stream_lifetime.h)
 
   // The read side is touched only between StartRead and the end of OnReadDone.
   grpc::ByteBuffer read_buf_;
@@ -1342,20 +969,18 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::vector<grpc::Slice> parts_;  // FillResponseLocked's scratch (under mu_)
 
   absl::Mutex mu_;
-  std::vector<Slot*> free_ ABSL_GUARDED_BY(mu_);  // owned; spare slots
+  decode::SlotPool slots_ ABSL_GUARDED_BY(mu_);  // owned; spare slots
   std::vector<Slot*> done_ ABSL_GUARDED_BY(mu_);  // owned; answered, waiting for a write
   std::deque<Slot*> deferred_ ABSL_GUARDED_BY(mu_);  // owned; valid, not yet given to the engine
   bool submitting_ ABSL_GUARDED_BY(mu_) = false;     // a thread is in SubmitDeferred
-  std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);   // ring of messages not yet flushed
-  size_t group_head_ ABSL_GUARDED_BY(mu_) = 0, group_count_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_group_ ABSL_GUARDED_BY(mu_) = 1;
+  decode::MessageGroups groups_ ABSL_GUARDED_BY(mu_);  // messages not yet flushed
   int64_t held_ ABSL_GUARDED_BY(mu_) = 0;  // answered, waiting for the rest of their message
   // The one outstanding write; filled under mu_, read by gRPC until OnWriteDone.
   grpc::ByteBuffer write_buf_;
   size_t write_results_ ABSL_GUARDED_BY(mu_) = 0;
   std::string region_reply_ ABSL_GUARDED_BY(mu_);  // the region's answer, written first
   int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted by the engine, not yet done
-  int starting_ ABSL_GUARDED_BY(mu_) = 0;      // Start* calls decided and not yet issued
+  decode::StartGate gate_ ABSL_GUARDED_BY(mu_);  // the start rule (stream_lifetime.h)
   grpc::Status fatal_ ABSL_GUARDED_BY(mu_);    // a message the stream cannot go on after
   bool ring_running_ ABSL_GUARDED_BY(mu_) = false;  // the ring's thread has not stopped
   uint32_t cq_tail_ ABSL_GUARDED_BY(mu_) = 0;        // completions posted to the ring
@@ -1368,7 +993,6 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool idle_since_trim_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -1510,16 +1134,8 @@ class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 // ---------------------------------------------------------------------------------
 
 DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions options)
-    : engine_(engine), options_(std::move(options)) {
-  const engine::EngineInfo info = engine_->Info();
-  shape_.num_layers = info.model.num_layers;
-  shape_.h_q = info.model.num_heads_q;
-  shape_.h_kv = info.model.num_heads_kv;
-  shape_.max_s_q = options_.max_s_q;
-  shape_.q_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimQK * kDtypeBytes;
-  shape_.kv_row_bytes = int64_t{shape_.h_kv} * kernels::kHeadDimQK * kDtypeBytes;
-  shape_.out_row_bytes = int64_t{shape_.h_q} * kernels::kHeadDimV * kDtypeBytes;
-  shape_.lse_row_bytes = int64_t{shape_.h_q} * static_cast<int64_t>(sizeof(float));
+    : engine_(engine), options_(std::move(options)), inflight_(options_.max_inflight_bytes) {
+  shape_ = decode::StepShape::For(engine_->Info().model, options_.max_s_q);
   uploader_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "latentd-upload");  // for top -H and debuggers
     UploadLoop();
@@ -1565,14 +1181,6 @@ bool DecodeServiceImpl::ChargeRegion(int64_t bytes) {
   return true;
 }
 
-bool DecodeServiceImpl::ChargeInflight(int64_t bytes) {
-  if (inflight_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes > options_.max_inflight_bytes) {
-    inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
-    return false;
-  }
-  return true;
-}
-
 absl::Status DecodeServiceImpl::ChargeRing(const std::string& peer) {
   if (rings_.fetch_add(1, std::memory_order_relaxed) >= options_.max_rings) {
     rings_.fetch_sub(1, std::memory_order_relaxed);
@@ -1609,7 +1217,7 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   ServiceCounters c;
   c.open_streams = OpenStreams();
   c.open_calls = open_calls_.load(std::memory_order_relaxed);
-  c.inflight_bytes = inflight_bytes_.load(std::memory_order_relaxed);
+  c.inflight_bytes = inflight_.used();
   c.upload_bytes = upload_bytes_.load(std::memory_order_relaxed);
   c.results_delivered = results_delivered_.load(std::memory_order_relaxed);
   c.results_undelivered = results_undelivered_.load(std::memory_order_relaxed);

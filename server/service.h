@@ -21,6 +21,8 @@
 #include "server/dataplane/fd_handoff.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/latentd.grpc.pb.h"
+#include "server/decode/admission.h"
+#include "server/decode/step_shape.h"
 
 namespace latentd::server {
 
@@ -99,10 +101,6 @@ struct ServiceCounters {
 // Maps an absl::Status onto the gRPC status with the same code and message.
 grpc::Status ToGrpc(const absl::Status& status);
 
-// Sequence ids are 1..128 characters from [A-Za-z0-9._:-]. Empty ids are checked by
-// callers since some RPCs accept them (server-chosen id).
-bool IsValidSequenceId(absl::string_view id);
-
 class AppendKvReactor;
 class DecodeReactor;
 
@@ -156,13 +154,7 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   uint64_t UndeliveredResults() const { return results_undelivered_.load(std::memory_order_relaxed); }
 
   // Fixed per-model sizes, computed once.
-  struct Shape {
-    int num_layers = 0, h_q = 0, h_kv = 0, max_s_q = 0;
-    int64_t q_row_bytes = 0;    // per query token: h_q * 576 * 2
-    int64_t kv_row_bytes = 0;   // per token: h_kv * 576 * 2
-    int64_t out_row_bytes = 0;  // per query token: h_q * 512 * 2
-    int64_t lse_row_bytes = 0;  // per query token: h_q * 4
-  };
+  using Shape = decode::StepShape;
   const Shape& shape() const { return shape_; }
   const ServiceOptions& options() const { return options_; }
   engine::Engine* engine() const { return engine_; }
@@ -182,9 +174,6 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // The status a new Decode/AppendKv stream starts with: auth, drain, max_streams.
   grpc::Status AdmitStream(const grpc::CallbackServerContext* ctx);
   void CloseCall() { open_calls_.fetch_sub(1, std::memory_order_relaxed); }
-  // Charges bytes against max_inflight_bytes; false (nothing charged) when over it.
-  bool ChargeInflight(int64_t bytes);
-  void ReleaseInflight(int64_t bytes) { inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed); }
   // Charges a new shared region against max_region_total_bytes; false when over it.
   bool ChargeRegion(int64_t bytes);
   void ReleaseRegion(int64_t bytes) {
@@ -207,10 +196,10 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   engine::Engine* const engine_;
   const ServiceOptions options_;
   Shape shape_;
+  decode::ByteBudget inflight_;  // step buffers of all streams, against max_inflight_bytes
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> streams_opened_{0};
   std::atomic<int64_t> open_calls_{0};
-  std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<int64_t> upload_bytes_{0};
   std::atomic<int64_t> region_bytes_{0}, regions_{0};
   std::atomic<uint64_t> refused_regions_{0};

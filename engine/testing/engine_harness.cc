@@ -79,10 +79,10 @@ Harness::Pending* Harness::MakeStep(const std::string& id, int layer, int s_q, b
   s.layer = layer;
   s.s_q = s_q;
   s.causal = causal;
-  s.q = p->q;
-  s.kv = p->kv;
-  s.out = reinterpret_cast<char*>(p->out.data());
-  s.lse = p->lse.data();
+  s.q = TensorLocation::Host(p->q.data(), p->q.size());
+  s.kv = TensorLocation::Host(p->kv.data(), p->kv.size());
+  s.out = TensorLocation::Host(p->out.data(), p->out.size() * sizeof(p->out[0]));
+  s.lse = TensorLocation::Host(p->lse.data(), p->lse.size() * sizeof(float));
   s.cancelled = &p->cancelled;
   s.callback = this;
   // StepDone looks steps up from the engine's thread while earlier steps are in flight.

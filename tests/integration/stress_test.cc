@@ -126,7 +126,9 @@ void Churn(client::Client* c, const std::string& seq, const std::atomic<bool>* s
     v1::DecodeResponse resp;
     while (stream->Read(&resp)) {
       for (const auto& r : resp.results()) {
-        if (r.code() == 0) EXPECT_EQ(static_cast<int64_t>(r.out().size()), sh.OutBytes(1));
+        if (r.code() == 0) {
+          EXPECT_EQ(static_cast<int64_t>(r.out().size()), sh.OutBytes(1));
+        }
       }
     }
     stream->Finish();
