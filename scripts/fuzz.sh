@@ -33,10 +33,11 @@ for t in "${targets[@]}"; do
   ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     "$bin/fuzz/${t}_fuzzer" "$work" "fuzz/corpus/$t" \
     -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=4096 \
-    -print_final_stats=1 -artifact_prefix="fuzz/regressions/$t/" "$@" 2>&1 |
-    tail -n 80
-  rc=${PIPESTATUS[0]}
-  rm -rf "$work"
+    -print_final_stats=1 -artifact_prefix="fuzz/regressions/$t/" "$@" > "$work.log" 2>&1
+  rc=$?
+  # A pass shows the final stats; a failure shows the report (the crash and its stack).
+  if [[ $rc -eq 0 ]]; then tail -n 8 "$work.log"; else tail -n 80 "$work.log"; fi
+  rm -rf "$work" "$work.log"
   if [[ $rc -eq 0 ]]; then
     echo "//fuzz:${t}_fuzzer PASSED"
     passed=$((passed + 1))

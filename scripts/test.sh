@@ -12,11 +12,28 @@ source scripts/deps.sh
 latentd_ensure_packages || { echo "latentd: package installation failed" >&2; exit 1; }
 
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
 times=()
+failures=$(mktemp)
+trap 'rm -f "$log" "$failures"' EXIT
+
+# After a stage: the tail of each failed test's log goes into a summary printed last,
+# so the end of the output (all a CI page may keep) names the failure and its cause.
+note_failures() {
+  local stage=$1 stage_log=$2 target path
+  grep -E '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' "$stage_log" | awk '{print $1}' |
+    while read -r target; do
+      path=bazel-testlogs/${target#//}
+      path=${path/://}/test.log
+      {
+        echo "== $stage: $target =="
+        if [[ -f $path ]]; then tail -n 60 "$path"; else echo "(no test.log at $path)"; fi
+      } >> "$failures"
+    done
+}
 start=$SECONDS
 bazel test $(latentd_cuda_config) //... "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
+note_failures tests "$log"
 times+=("tests $((SECONDS - start))s")
 
 reports=$(find -L bazel-bin/ -name '*.ptxas.txt' 2>/dev/null | sort)
@@ -31,8 +48,12 @@ if [[ ${LATENTD_QUICK:-0} != 1 ]]; then
   for config in asan tsan; do
     echo "== bazel test --config=$config =="
     start=$SECONDS
-    bazel test --config="$config" //... 2>&1 | tee -a "$log"
+    stage_log=$(mktemp)
+    bazel test --config="$config" //... 2>&1 | tee "$stage_log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+    cat "$stage_log" >> "$log"
+    note_failures "$config" "$stage_log"
+    rm -f "$stage_log"
     times+=("$config $((SECONDS - start))s")
   done
   echo "== scripts/fuzz.sh =="
@@ -42,6 +63,10 @@ if [[ ${LATENTD_QUICK:-0} != 1 ]]; then
   times+=("fuzz $((SECONDS - start))s")
 fi
 echo "== stage times: ${times[*]} =="
+if [[ -s $failures ]]; then
+  echo "== failed tests (last lines of each log) =="
+  cat "$failures"
+fi
 
 passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
 failed=$(grep -cE '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|NO STATUS|INCOMPLETE|FLAKY)' "$log")
