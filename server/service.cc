@@ -82,7 +82,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                             public engine::StepCallback {
  public:
   DecodeReactor(DecodeServiceImpl* service, CallbackServerContext* ctx, grpc::Status initial, uint64_t flow)
-      : service_(service), ctx_(ctx), flow_(flow), pin_inputs_(service->options().pinned_step_inputs != ServiceOptions::PinnedInputs::kOff),
+      : hold_(service), service_(service), ctx_(ctx), flow_(flow), pin_inputs_(service->options().pinned_step_inputs != ServiceOptions::PinnedInputs::kOff),
         pin_always_(service->options().pinned_step_inputs == ServiceOptions::PinnedInputs::kAlways) {
     if (!initial.ok()) {
       absl::MutexLock l(&mu_);
@@ -930,6 +930,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     for (const std::string& t : tickets_) service_->options().handoff->Withdraw(t);
   }
 
+  DecodeServiceImpl::ReactorHold hold_;  // first: destroyed last
   DecodeServiceImpl* const service_;
   CallbackServerContext* const ctx_;  // gRPC's; valid until OnDone
   const uint64_t flow_;               // the engine's fairness key for this stream's steps
@@ -1005,7 +1006,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   AppendKvReactor(DecodeServiceImpl* service, grpc::ByteBuffer* response, grpc::Status initial)
-      : service_(service), response_(response) {
+      : hold_(service), service_(service), response_(response) {
     if (!initial.ok()) {
       Finish(std::move(initial));
       return;
@@ -1120,6 +1121,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   static constexpr size_t kKeepBufferBytes = 4 << 20;
 
+  DecodeServiceImpl::ReactorHold hold_;  // first: destroyed last
   DecodeServiceImpl* const service_;
   grpc::ByteBuffer* const response_;
   grpc::ByteBuffer request_;
@@ -1142,13 +1144,32 @@ DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions opti
   });
 }
 
-// The server has shut down before this runs, so no AppendKv stream is left waiting.
+// The server has shut down before this runs, so no AppendKv stream is left waiting and
+// every reactor has had its OnDone; one may still be finishing (an engine callback's
+// reference outlives OnDone), so wait for the last.
 DecodeServiceImpl::~DecodeServiceImpl() {
+  {
+    absl::MutexLock l(&reactors_mu_);
+    const absl::Condition none(+[](int* n) { return *n == 0; }, &reactors_);
+    while (!reactors_mu_.AwaitWithTimeout(none, absl::Seconds(5))) {
+      spdlog::warn("waiting for {} stream(s) to finish before the service stops", reactors_);
+    }
+  }
   {
     absl::MutexLock l(&upload_mu_);
     stop_uploads_ = true;
   }
   uploader_.join();
+}
+
+void DecodeServiceImpl::AddReactor() {
+  absl::MutexLock l(&reactors_mu_);
+  ++reactors_;
+}
+
+void DecodeServiceImpl::RemoveReactor() {
+  absl::MutexLock l(&reactors_mu_);
+  --reactors_;
 }
 
 bool DecodeServiceImpl::EnqueueUpload(AppendKvReactor* reactor, int64_t bytes) {

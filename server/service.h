@@ -148,6 +148,21 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // stream is busy so that its steady state allocates nothing). Returns buffers freed.
   int TrimIdleStreams();
 
+  // Every reactor holds one as its first member, so that it goes after everything else
+  // the reactor does: reactors call into the service until their last line (giving back
+  // rings, regions, streams), and one may outlive its OnDone while an engine callback
+  // still holds it, so the service's destructor waits until none is left.
+  class ReactorHold {
+   public:
+    explicit ReactorHold(DecodeServiceImpl* service) : service_(service) { service_->AddReactor(); }
+    ~ReactorHold() { service_->RemoveReactor(); }
+    ReactorHold(const ReactorHold&) = delete;
+    ReactorHold& operator=(const ReactorHold&) = delete;
+
+   private:
+    DecodeServiceImpl* const service_;
+  };
+
   ServiceCounters Counters() const;
   // Results of steps the engine accepted that no client received (the stream had gone
   // away or its write failed); read by the drain summary.
@@ -166,6 +181,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
  private:
   friend class AppendKvReactor;
   friend class DecodeReactor;
+  void AddReactor();
+  void RemoveReactor();
   void Register(DecodeReactor* reactor);
   void Unregister(DecodeReactor* reactor);
   // Counts a new Decode/AppendKv call (every reactor gives it back in OnDone); false
@@ -215,6 +232,11 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // Touched once per stream (open, close, drain, housekeeping), never per step.
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+
+  // Reactors alive (ReactorHold); a mutex, not an atomic, so that the destructor's wait
+  // orders every reactor's last access before the members go.
+  absl::Mutex reactors_mu_;
+  int reactors_ ABSL_GUARDED_BY(reactors_mu_) = 0;
 
   absl::Mutex upload_mu_;
   std::deque<AppendKvReactor*> uploads_ ABSL_GUARDED_BY(upload_mu_);  // each with one message read

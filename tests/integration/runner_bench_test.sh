@@ -25,7 +25,18 @@ wait_for_file() {
   done
 }
 pid=
-trap 'kill -9 $pid 2>/dev/null || true; rm -rf "$sockdir"' EXIT
+# On failure the daemon's and the echo tool's logs say why (a sanitizer report lands there).
+on_exit() {
+  local rc=$? f
+  if [[ $rc -ne 0 ]]; then
+    for f in "$dir/latentd.log" "$dir/floor.log"; do
+      [[ -f $f ]] && { echo "== $f (exit $rc)"; tail -n 120 "$f"; }
+    done
+  fi
+  kill -9 $pid 2>/dev/null || true
+  rm -rf "$sockdir"
+}
+trap on_exit EXIT
 LATENTD_KV_POISON=1 "$latentd" --backend=cpu --cpu_threads=2 --num_layers=2 --num_heads_q=16 --kv_pages=2048 --listen="unix:$sock" \
   --port_file="$dir/port" --stats_interval_s=0 > "$dir/latentd.log" 2>&1 &
 pid=$!
