@@ -15,6 +15,7 @@
 #include "clients/cpp/client.h"
 #include "proto/ring.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/region_slots.h"
 #include "tests/integration/tracker.h"
 
 namespace latentd::testing {
@@ -23,22 +24,6 @@ namespace {
 bool HaveGpu() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-// Slot i of the region holds q, kv, out and lse of one step with s_q <= 2.
-struct Layout {
-  uint64_t q, kv, out, lse, slot;
-  explicit Layout(const client::Shape& sh)
-      : q(0), kv(sh.QBytes(2)), out(kv + sh.KvBytes(2)), lse(out + sh.OutBytes(2)),
-        slot((lse + sh.LseBytes(2) + 255) / 256 * 256) {}
-};
-
-grpc::Status Close(client::DecodeStream* stream) {
-  stream->WritesDone();
-  v1::DecodeResponse resp;
-  while (stream->Read(&resp)) {
-  }
-  return stream->Finish();
 }
 
 std::vector<std::string> CudaFlags() {
@@ -70,7 +55,7 @@ class DeviceBuffer {
 // result.
 void DecodeThroughRegion(client::DecodeStream* stream, Tracker* tracker, const std::vector<std::string>& seqs,
                          const client::Shape& sh, char* base, int rounds) {
-  const Layout lay(sh);
+  const SlotLayout lay(sh, 0, 256);
   for (int round = 0; round < rounds; ++round) {
     v1::DecodeRequest req;
     std::map<uint64_t, int> slot_of;
@@ -85,14 +70,7 @@ void DecodeThroughRegion(client::DecodeStream* stream, Tracker* tracker, const s
       // NaN where the results go (out, then lse): a step that wrote nothing would fail the check.
       ASSERT_EQ(cudaMemset(slot + lay.out, 0xff, (lay.lse - lay.out) + sh.LseBytes(s_q)),
                 cudaSuccess);
-      s->clear_q();
-      s->clear_kv();
-      v1::RegionTensors* r = s->mutable_region();
-      r->set_s_q(s_q);
-      r->set_q_offset(lay.slot * i + lay.q);
-      r->set_kv_offset(lay.slot * i + lay.kv);
-      r->set_out_offset(lay.slot * i + lay.out);
-      r->set_lse_offset(lay.slot * i + lay.lse);
+      PointAtSlot(s, sh, lay, i);
       slot_of[s->request_id()] = i;
     }
     ASSERT_TRUE(stream->Write(req));
@@ -128,7 +106,7 @@ TEST(CudaRegionTest, StepsThroughDeviceMemoryMatchTheCpuImplementation) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, 0, 256);
   std::vector<std::string> seqs;
   for (int i = 0; i < 6; ++i) {
     auto s = tracker.NewSequence({10 + 37 * i, 64 * i});
@@ -163,7 +141,7 @@ TEST(CudaRegionTest, RefusedHandlesAndRangesNameTheFieldAndTheDaemonServesOn) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, 0, 256);
   DeviceBuffer buf(lay.slot * 12);
   ASSERT_NE(buf.data(), nullptr);
   const std::string handle = buf.Handle();
@@ -239,7 +217,7 @@ TEST(CudaRegionTest, DoorbellRingBesideDeviceMemoryMatchesTheCpuImplementation) 
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, 0, 256);
   std::vector<std::string> seqs;
   for (int i = 0; i < 5; ++i) {
     auto s = tracker.NewSequence({30 + 41 * i, 64 * i + 1});

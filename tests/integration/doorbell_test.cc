@@ -13,61 +13,13 @@
 #include "clients/cpp/client.h"
 #include "proto/ring.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/region_slots.h"
 #include "tests/integration/tracker.h"
 
 namespace latentd::testing {
 namespace {
 
 constexpr uint32_t kEntries = 16;
-
-// Step slot i of the region (after the ring) holds q, kv, out and lse for s_q <= 2.
-struct Layout {
-  uint64_t base, q, kv, out, lse, slot;
-  explicit Layout(const client::Shape& sh)
-      : base(ring::RingBytes(kEntries)), q(0), kv(sh.QBytes(2)), out(kv + sh.KvBytes(2)),
-        lse(out + sh.OutBytes(2)), slot((lse + sh.LseBytes(2) + 63) / 64 * 64) {}
-  uint64_t bytes(int slots) const { return base + slot * slots; }
-  uint64_t at(int i) const { return base + slot * i; }
-};
-
-// Copies a byte step's tensors into slot i and describes it as a ring step of
-// `sequence_id` (a string that outlives the ring step).
-client::Ring::Step IntoSlot(const v1::DecodeStep& step, const std::string& sequence_id, const client::Shape& sh,
-                            const Layout& lay, client::SharedRegion* region, int i) {
-  char* p = region->data() + lay.at(i);
-  std::memcpy(p + lay.q, step.q().data(), step.q().size());
-  std::memcpy(p + lay.kv, step.kv().data(), step.kv().size());
-  client::Ring::Step r;
-  r.request_id = step.request_id();
-  r.sequence_id = sequence_id;
-  r.layer = step.layer();
-  r.s_q = static_cast<uint32_t>(step.q().size() / sh.q_row_bytes);
-  r.causal = step.causal();
-  r.q_offset = lay.at(i) + lay.q;
-  r.kv_offset = lay.at(i) + lay.kv;
-  r.out_offset = lay.at(i) + lay.out;
-  r.lse_offset = lay.at(i) + lay.lse;
-  return r;
-}
-
-// Slot i's results, read out of the region, as the StepResult the tracker checks.
-v1::StepResult InPlaceResult(uint64_t request_id, const client::Shape& sh, const Layout& lay,
-                             const client::SharedRegion* region, int i, int s_q) {
-  v1::StepResult r;
-  r.set_request_id(request_id);
-  const char* p = region->data() + lay.at(i);
-  r.set_out(std::string(p + lay.out, sh.OutBytes(s_q)));
-  r.set_lse(std::string(p + lay.lse, sh.LseBytes(s_q)));
-  return r;
-}
-
-grpc::Status Close(client::DecodeStream* stream) {
-  stream->WritesDone();
-  v1::DecodeResponse resp;
-  while (stream->Read(&resp)) {
-  }
-  return stream->Finish();
-}
 
 TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
   Daemon daemon({"--num_layers=2", "--num_heads_q=32", "--ring_spin_us=50"});
@@ -76,7 +28,7 @@ TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, ring::RingBytes(kEntries));
   std::vector<std::string> seqs;
   for (int i = 0; i < 5; ++i) {
     auto s = tracker.NewSequence({20 + 41 * i, 64 * i + 3});
@@ -95,7 +47,7 @@ TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
     std::map<uint64_t, int> slot_of;
     for (int i = 0; i < 10; ++i) {
       steps.push_back(tracker.Step(seqs[i % 5], (i / 5 + round) % 2, 1 + (i + round) % 2, i % 3 == 0));
-      ring_steps.push_back(IntoSlot(steps.back(), seqs[i % 5], sh, lay, region->get(), i));
+      ring_steps.push_back(IntoRingSlot(steps.back(), seqs[i % 5], sh, lay, (*region)->data(), i));
       ring_steps.back().trace = i % 4 == 0;
       slot_of[steps.back().request_id()] = i;
     }
@@ -115,7 +67,7 @@ TEST(DoorbellTest, StepsThroughTheRingMatchTheCpuImplementation) {
         EXPECT_LE(d.timing.received_us(), d.timing.launched_us());
         EXPECT_LE(d.timing.launched_us(), d.timing.completed_us());
       }
-      const v1::StepResult r = InPlaceResult(d.request_id, sh, lay, region->get(), i, ring_steps[i].s_q);
+      const v1::StepResult r = InPlaceResult(d.request_id, sh, lay, (*region)->data(), i, ring_steps[i].s_q);
       ASSERT_TRUE(tracker.Check(r).ok()) << "round " << round << ": " << tracker.Check(r);
     }
   }
@@ -133,7 +85,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, ring::RingBytes(kEntries));
   auto seq = tracker.NewSequence({30, 30});
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto stream = (*c)->OpenDecodeStream();
@@ -142,7 +94,7 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
   client::Ring ring(region->get(), kEntries);
 
   const v1::DecodeStep good = tracker.Step(*seq, 0, 1, false);
-  std::vector<client::Ring::Step> steps(6, IntoSlot(good, *seq, sh, lay, region->get(), 0));
+  std::vector<client::Ring::Step> steps(6, IntoRingSlot(good, *seq, sh, lay, (*region)->data(), 0));
   for (int i = 1; i < 6; ++i) steps[i].request_id = 900 + i;
   steps[1].q_offset = 64;  // inside the ring
   steps[2].layer = 5;
@@ -167,17 +119,17 @@ TEST(DoorbellTest, BadEntriesFailWithTheFieldAndLeaveTheRestAlone) {
     EXPECT_TRUE(absl::StrContains(by_id[w.id].message, w.names)) << w.id << ": " << by_id[w.id].message;
   }
   EXPECT_TRUE(absl::StrContains(by_id[901].message, "doorbell ring")) << by_id[901].message;
-  v1::StepResult r = InPlaceResult(good.request_id(), sh, lay, region->get(), 0, 1);
+  v1::StepResult r = InPlaceResult(good.request_id(), sh, lay, (*region)->data(), 0, 1);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
 
   // The next step of that sequence sees exactly one new row (the good step's).
   const v1::DecodeStep next = tracker.Step(*seq, 0, 1, false);
-  client::Ring::Step n = IntoSlot(next, *seq, sh, lay, region->get(), 1);
+  client::Ring::Step n = IntoRingSlot(next, *seq, sh, lay, (*region)->data(), 1);
   ASSERT_TRUE(ring.Submit(&n, 1).ok());
   done.clear();
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
   ASSERT_EQ(done[0].code, 0) << done[0].message;
-  r = InPlaceResult(next.request_id(), sh, lay, region->get(), 1, 1);
+  r = InPlaceResult(next.request_id(), sh, lay, (*region)->data(), 1, 1);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
   EXPECT_TRUE(Close(stream.get()).ok());
 }
@@ -248,7 +200,7 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, ring::RingBytes(kEntries));
   auto seq = tracker.NewSequence({40, 40});  // its rows are not checked after the abandoned steps
   ASSERT_TRUE(seq.ok()) << seq.status();
   {
@@ -270,7 +222,7 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
     client::Ring ring(region->get(), kEntries);
     std::vector<client::Ring::Step> steps;
     for (int i = 0; i < 8; ++i) {
-      steps.push_back(IntoSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, region->get(), 0));
+      steps.push_back(IntoRingSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, (*region)->data(), 0));
       steps.back().out_offset = steps.back().lse_offset = lay.at(0) + lay.out;  // never read back
     }
     ASSERT_TRUE(ring.Submit(steps.data(), steps.size()).ok());
@@ -285,12 +237,12 @@ TEST(DoorbellTest, BrokenOrAbandonedRingsEndOnlyTheirStream) {
   ASSERT_TRUE(region.ok()) << region.status();
   client::Ring ring(region->get(), kEntries);
   const v1::DecodeStep s = tracker.Step(*other, 0, 2, true);
-  client::Ring::Step rs = IntoSlot(s, *other, sh, lay, region->get(), 0);
+  client::Ring::Step rs = IntoRingSlot(s, *other, sh, lay, (*region)->data(), 0);
   ASSERT_TRUE(ring.Submit(&rs, 1).ok());
   std::vector<client::Ring::Completion> done;
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
   ASSERT_EQ(done[0].code, 0) << done[0].message;
-  const v1::StepResult r = InPlaceResult(s.request_id(), sh, lay, region->get(), 0, 2);
+  const v1::StepResult r = InPlaceResult(s.request_id(), sh, lay, (*region)->data(), 0, 2);
   EXPECT_TRUE(tracker.Check(r).ok()) << tracker.Check(r);
   EXPECT_TRUE(Close(stream.get()).ok());
   EXPECT_TRUE(daemon.Running());
@@ -306,7 +258,7 @@ TEST(DoorbellTest, UnconsumedCompletionsAreCancelledByTheStallRule) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, ring::RingBytes(kEntries));
   auto seq = tracker.NewSequence({30, 30});
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto stream = (*c)->OpenDecodeStream();
@@ -314,7 +266,7 @@ TEST(DoorbellTest, UnconsumedCompletionsAreCancelledByTheStallRule) {
   ASSERT_TRUE(region.ok()) << region.status();
   auto* h = reinterpret_cast<ring::Header*>((*region)->data());
   client::Ring ring(region->get(), kEntries);
-  client::Ring::Step rs = IntoSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, region->get(), 0);
+  client::Ring::Step rs = IntoRingSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, (*region)->data(), 0);
   ASSERT_TRUE(ring.Submit(&rs, 1).ok());
   // The completion is posted, and never consumed (cq_head stays 0).
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
@@ -338,7 +290,7 @@ TEST(DoorbellTest, ACompletionHeadPastWhatWasPostedEndsTheStreamNamingIt) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh, ring::RingBytes(kEntries));
   auto seq = tracker.NewSequence({30, 30});
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto stream = (*c)->OpenDecodeStream();
@@ -346,12 +298,12 @@ TEST(DoorbellTest, ACompletionHeadPastWhatWasPostedEndsTheStreamNamingIt) {
   ASSERT_TRUE(region.ok()) << region.status();
   auto* h = reinterpret_cast<ring::Header*>((*region)->data());
   client::Ring ring(region->get(), kEntries);
-  client::Ring::Step rs = IntoSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, region->get(), 0);
+  client::Ring::Step rs = IntoRingSlot(tracker.Step(*seq, 0, 1, false), *seq, sh, lay, (*region)->data(), 0);
   ASSERT_TRUE(ring.Submit(&rs, 1).ok());
   std::vector<client::Ring::Completion> done;
   ASSERT_TRUE(ring.Wait(1, &done, absl::Seconds(30)).ok());
   h->cq_head.store(100, std::memory_order_release);  // one completion was posted
-  client::Ring::Step next = IntoSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, region->get(), 0);
+  client::Ring::Step next = IntoRingSlot(tracker.Step(*seq, 1, 1, false), *seq, sh, lay, (*region)->data(), 0);
   ASSERT_TRUE(ring.Submit(&next, 1).ok());
   const grpc::Status st = Close(stream.get());
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();

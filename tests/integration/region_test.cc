@@ -19,44 +19,11 @@
 #include "proto/handoff.h"
 #include "proto/ring.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/region_slots.h"
 #include "tests/integration/tracker.h"
 
 namespace latentd::testing {
 namespace {
-
-// Region layout for the tests: step slot i holds q, kv, out and lse for s_q <= 2.
-struct Layout {
-  uint64_t q, kv, out, lse, slot;
-  explicit Layout(const client::Shape& sh)
-      : q(0), kv(sh.QBytes(2)), out(kv + sh.KvBytes(2)), lse(out + sh.OutBytes(2)),
-        slot((lse + sh.LseBytes(2) + 63) / 64 * 64) {}
-};
-
-// Moves a byte step's tensors into slot i of the region and points the step there.
-void IntoRegion(v1::DecodeStep* step, const client::Shape& sh, const Layout& lay, client::SharedRegion* region,
-                int i) {
-  const int s_q = static_cast<int>(step->q().size() / sh.q_row_bytes);
-  char* base = region->data() + lay.slot * i;
-  std::memcpy(base + lay.q, step->q().data(), step->q().size());
-  std::memcpy(base + lay.kv, step->kv().data(), step->kv().size());
-  step->clear_q();
-  step->clear_kv();
-  v1::RegionTensors* r = step->mutable_region();
-  r->set_s_q(s_q);
-  r->set_q_offset(lay.slot * i + lay.q);
-  r->set_kv_offset(lay.slot * i + lay.kv);
-  r->set_out_offset(lay.slot * i + lay.out);
-  r->set_lse_offset(lay.slot * i + lay.lse);
-}
-
-// Ends a stream from the client's side and returns its status.
-grpc::Status Close(client::DecodeStream* stream) {
-  stream->WritesDone();
-  v1::DecodeResponse resp;
-  while (stream->Read(&resp)) {
-  }
-  return stream->Finish();
-}
 
 int CountRegionMappings(pid_t pid) {
   std::ifstream maps(absl::StrCat("/proc/", pid, "/maps"));
@@ -75,7 +42,7 @@ TEST(RegionTest, StepsThroughTheRegionMatchTheCpuImplementation) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh);
   std::vector<std::string> seqs;
   for (int i = 0; i < 6; ++i) {
     auto s = tracker.NewSequence({10 + 37 * i, 64 * i});
@@ -93,7 +60,7 @@ TEST(RegionTest, StepsThroughTheRegionMatchTheCpuImplementation) {
       v1::DecodeStep* s = req.add_steps();
       *s = tracker.Step(seqs[i % 6], (i / 6 + round) % 2, 1 + (i + round) % 2, i % 3 == 0);
       if (i % 4 != 3) {  // a few steps stay on the bytes path, in the same message
-        IntoRegion(s, sh, lay, region->get(), i);
+        IntoSlot(s, sh, lay, (*region)->data(), i);
         slot_of[s->request_id()] = i;
       }
     }
@@ -180,7 +147,7 @@ TEST(RegionTest, BadOffsetsFailWithTheFieldAndTouchNothing) {
   ASSERT_TRUE(c.ok()) << c.status();
   Tracker tracker(c->get());
   const client::Shape sh = (*c)->shape();
-  const Layout lay(sh);
+  const SlotLayout lay(sh);
   auto seq = tracker.NewSequence({70});
   ASSERT_TRUE(seq.ok());
 
