@@ -20,6 +20,9 @@ struct Sequence {
   std::vector<int64_t> lengths;      // rows per layer
   absl::Time last_used;
   uint64_t serial = 0;
+  std::vector<PageKey> keys;  // content keys of its first pages (CreateSequence)
+  size_t published = 0;       // leading keys attached or published
+  int64_t prefix_tokens = 0;  // rows per layer attached from the cache
   Sequence* lru_prev = nullptr;  // the manager's last-use list
   Sequence* lru_next = nullptr;
 };
@@ -100,6 +103,11 @@ KvCacheManager::KvCacheManager(const KvCacheConfig& config, KvStorage* storage)
   for (int64_t p = config_.num_pages - 1; p >= 0; --p) {
     free_list_.push_back(static_cast<int32_t>(p));
   }
+  const size_t pages = refcount_.size();
+  key_of_.assign(pages, PageKey{});
+  keyed_.assign(pages, 0);
+  cache_prev_.assign(pages, -1);
+  cache_next_.assign(pages, -1);
 }
 
 KvCacheManager::~KvCacheManager() = default;
@@ -142,6 +150,14 @@ absl::StatusOr<std::string> KvCacheManager::NewId(absl::string_view requested,
 }
 
 absl::StatusOr<Sequence*> KvCacheManager::CreateSequence(absl::string_view id) {
+  return CreateSequence(id, {});
+}
+
+absl::StatusOr<Sequence*> KvCacheManager::CreateSequence(absl::string_view id, const std::vector<PageKey>& keys) {
+  if (static_cast<int64_t>(keys.size()) > config_.num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat("page_keys: ", keys.size(), " keys for a cache of ",
+                                                   config_.num_pages, " pages"));
+  }
   absl::StatusOr<std::string> new_id = NewId(id, "sequence_id");
   if (!new_id.ok()) return new_id.status();
   auto seq = std::make_unique<Sequence>();
@@ -149,10 +165,80 @@ absl::StatusOr<Sequence*> KvCacheManager::CreateSequence(absl::string_view id) {
   seq->lengths.assign(config_.num_layers, 0);
   seq->last_used = absl::Now();
   seq->serial = next_serial_++;
+  seq->keys = keys;
+  // Attach the leading pages the cache holds. A page whose last reference went while a
+  // read was open (retiring) is not taken back: the walk ends there, as at a miss.
+  for (const PageKey& key : seq->keys) {
+    auto it = by_key_.find(key);
+    if (it == by_key_.end()) break;
+    const int32_t page = it->second;
+    if (refcount_[page] == 0) {
+      if (cache_prev_[page] < 0 && cache_head_ != page) break;  // retiring
+      CacheUnlink(page);
+    }
+    ++refcount_[page];
+    seq->block_table.push_back(page);
+  }
+  seq->published = seq->block_table.size();
+  prefix_hits_ += seq->published;
+  prefix_misses_ += seq->keys.size() - seq->published;
+  seq->prefix_tokens = static_cast<int64_t>(seq->published) * kPageSize;
+  seq->lengths.assign(config_.num_layers, seq->prefix_tokens);
+  high_water_ = std::max(high_water_, config_.num_pages - free_pages());
   Sequence* raw = seq.get();
   sequences_.emplace(raw->id, std::move(seq));
   Touch(raw, raw->last_used);
   return raw;
+}
+
+int64_t KvCacheManager::PrefixTokens(const Sequence* seq) const { return seq->prefix_tokens; }
+
+void KvCacheManager::CacheLink(int32_t page) {
+  cache_prev_[page] = cache_tail_;
+  cache_next_[page] = -1;
+  if (cache_tail_ >= 0) {
+    cache_next_[cache_tail_] = page;
+  } else {
+    cache_head_ = page;
+  }
+  cache_tail_ = page;
+  ++cached_count_;
+}
+
+void KvCacheManager::CacheUnlink(int32_t page) {
+  const int32_t prev = cache_prev_[page], next = cache_next_[page];
+  (prev >= 0 ? cache_next_[prev] : cache_head_) = next;
+  (next >= 0 ? cache_prev_[next] : cache_tail_) = prev;
+  cache_prev_[page] = cache_next_[page] = -1;
+  --cached_count_;
+}
+
+void KvCacheManager::Unkey(int32_t page) {
+  if (!keyed_[page]) return;
+  by_key_.erase(key_of_[page]);
+  keyed_[page] = 0;
+}
+
+void KvCacheManager::Unreferenced(int32_t page) {
+  if (keyed_[page]) {
+    CacheLink(page);
+  } else {
+    free_list_.push_back(page);
+  }
+}
+
+void KvCacheManager::PublishFull(Sequence* seq) {
+  const size_t full = static_cast<size_t>(MinLength(seq->lengths) / kPageSize);
+  while (seq->published < seq->keys.size() && seq->published < full) {
+    const int32_t page = seq->block_table[seq->published];
+    const PageKey& key = seq->keys[seq->published];
+    // A key already published names rows like these; the first page keeps it.
+    if (!keyed_[page] && by_key_.emplace(key, page).second) {
+      key_of_[page] = key;
+      keyed_[page] = 1;
+    }
+    ++seq->published;
+  }
 }
 
 Sequence* KvCacheManager::Find(absl::string_view id) {
@@ -166,8 +252,16 @@ const Sequence* KvCacheManager::Find(absl::string_view id) const {
 }
 
 int32_t KvCacheManager::AllocPage() {
-  int32_t page = free_list_.back();
-  free_list_.pop_back();
+  int32_t page;
+  if (!free_list_.empty()) {
+    page = free_list_.back();
+    free_list_.pop_back();
+  } else {  // callers checked free_pages(): the least recently cached page goes
+    page = cache_head_;
+    CacheUnlink(page);
+    Unkey(page);
+    ++evictions_;
+  }
   refcount_[page] = 1;
   high_water_ = std::max(high_water_, config_.num_pages - free_pages());
   return page;
@@ -178,7 +272,7 @@ bool KvCacheManager::Unref(int32_t page) {
   if (reads_opened_ > reads_closed_) {
     retiring_.push_back({reads_opened_, page});
   } else {
-    free_list_.push_back(page);
+    Unreferenced(page);
   }
   return true;
 }
@@ -189,7 +283,7 @@ void KvCacheManager::CloseRead(uint64_t read) {
   reads_closed_ = std::max(reads_closed_, read);
   size_t n = 0;
   while (n < retiring_.size() && retiring_[n].after_read <= reads_closed_) {
-    free_list_.push_back(retiring_[n].page);
+    Unreferenced(retiring_[n].page);
     ++n;
   }
   retiring_.erase(retiring_.begin(), retiring_.begin() + static_cast<std::ptrdiff_t>(n));
@@ -274,7 +368,7 @@ absl::Status KvCacheManager::PreparePages(Sequence* seq, int layer, int n) {
   // Count everything first so running out changes nothing.
   int64_t need = std::max<int64_t>(0, end - present);
   for (int64_t i = first; i < std::min(end, present); ++i) {
-    if (refcount_[seq->block_table[i]] > 1) ++need;
+    if (refcount_[seq->block_table[i]] > 1 || keyed_[seq->block_table[i]]) ++need;
   }
   if (need > free_pages()) return OutOfPages(need, free_pages());
 
@@ -282,7 +376,7 @@ absl::Status KvCacheManager::PreparePages(Sequence* seq, int layer, int n) {
   // succeeded before a later storage failure needs no undoing.
   for (int64_t i = first; i < std::min(end, present); ++i) {
     const int32_t old_page = seq->block_table[i];
-    if (refcount_[old_page] == 1) continue;
+    if (refcount_[old_page] == 1 && !keyed_[old_page]) continue;  // a published page stays as its key says
     const int32_t copy = AllocPage();
     if (storage_ != nullptr) {
       if (absl::Status s = storage_->CopyPage(old_page, copy); !s.ok()) {
@@ -336,6 +430,7 @@ absl::Status KvCacheManager::Append(Sequence* seq, int layer, const void* rows, 
     left -= run;
   }
   seq->lengths[layer] = pos;
+  PublishFull(seq);
   return absl::OkStatus();
 }
 
@@ -448,6 +543,11 @@ KvCacheManager::Stats KvCacheManager::GetStats() const {
   s.free_pages = free_pages();
   s.retiring_pages = retiring_pages();
   s.used_pages = s.total_pages - s.free_pages - s.retiring_pages;
+  s.cached_pages = cached_count_;
+  s.keyed_pages = static_cast<int64_t>(by_key_.size());
+  s.prefix_hits = prefix_hits_;
+  s.prefix_misses = prefix_misses_;
+  s.evictions = evictions_;
   s.high_water_pages = high_water_;
   s.sequences = static_cast<int64_t>(sequences_.size());
   return s;
@@ -517,6 +617,29 @@ absl::Status KvCacheManager::CheckConsistency() const {
     }
     on_free_list[page] = true;
   }
+  int64_t cached = 0;
+  for (int32_t p = cache_head_, prev = -1; p >= 0; prev = p, p = cache_next_[p]) {
+    if (++cached > cached_count_ || cache_prev_[p] != prev || on_free_list[p] || refcount_[p] != 0 || !keyed_[p]) {
+      return absl::InternalError(absl::StrCat("cached page ", p, " is listed wrongly (free, referenced or keyless)"));
+    }
+    if (cache_next_[p] < 0 && cache_tail_ != p) return absl::InternalError("cached pages' list has a wrong tail");
+    on_free_list[p] = true;
+  }
+  if (cached != cached_count_) {
+    return absl::InternalError(absl::StrCat("cached pages' list holds ", cached, " of ", cached_count_));
+  }
+  int64_t keyed = 0;
+  for (size_t p = 0; p < keyed_.size(); ++p) {
+    if (!keyed_[p]) continue;
+    ++keyed;
+    auto it = by_key_.find(key_of_[p]);
+    if (it == by_key_.end() || it->second != static_cast<int32_t>(p)) {
+      return absl::InternalError(absl::StrCat("page ", p, " has a key the cache does not map to it"));
+    }
+  }
+  if (keyed != static_cast<int64_t>(by_key_.size())) {
+    return absl::InternalError(absl::StrCat(by_key_.size(), " keys for ", keyed, " keyed pages"));
+  }
   uint64_t last = 0;
   for (const Retiring& r : retiring_) {
     if (r.page < 0 || r.page >= config_.num_pages || on_free_list[r.page] || refcount_[r.page] != 0) {
@@ -529,7 +652,7 @@ absl::Status KvCacheManager::CheckConsistency() const {
     last = r.after_read;
     on_free_list[r.page] = true;
   }
-  if (used + free_pages() + retiring_pages() != config_.num_pages) {
+  if (used + free_pages() + retiring_pages() != config_.num_pages) {  // free_pages() counts the cached
     return absl::InternalError(absl::StrCat(used, " used + ", free_pages(), " free + ", retiring_pages(),
                                             " retiring pages != ", config_.num_pages, " total"));
   }

@@ -1,5 +1,6 @@
 // Sequences and the pages they own: per-layer lengths, one block table shared by the
-// layers, reference-counted pages with copy-on-write forks, and all-or-nothing appends.
+// layers, reference-counted pages with copy-on-write forks, all-or-nothing appends, and
+// the prefix cache (full pages named by a client's content key, reused by reference).
 // Bookkeeping only (bytes go through KvStorage); not thread-safe: the engine serialises.
 #pragma once
 
@@ -7,6 +8,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -28,6 +30,19 @@ struct AppendSlot {
   int32_t page = 0;  // logical page id (add config.PageOffset(layer) for the storage page)
   int row = 0;       // first row in the page
   int n = 0;         // rows
+};
+
+// A full page's content key: 128 bits of a hash chain over the page's token ids and its
+// predecessors' (computed by clients; the server only compares keys). 128 bits so that
+// two different prefixes never meet by chance.
+struct PageKey {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const PageKey& o) const { return hi == o.hi && lo == o.lo; }
+  template <typename H>
+  friend H AbslHashValue(H h, const PageKey& k) {
+    return H::combine(std::move(h), k.hi, k.lo);
+  }
 };
 
 // Sequence ids: 1 to 128 characters of [A-Za-z0-9._:-].
@@ -55,6 +70,16 @@ class KvCacheManager {
   // ALREADY_EXISTS for a taken id, INVALID_ARGUMENT for a malformed one. Holds no pages
   // until the first append.
   absl::StatusOr<Sequence*> CreateSequence(absl::string_view id);
+  // The same, with the content keys of the prefix's full pages, in order. Every leading
+  // page whose key the cache holds (a live sequence's, or an unreferenced cached one) is
+  // attached by reference and all layers start that many pages long
+  // (PrefixTokens); the rest of the keys name the pages this sequence fills next, and
+  // each is published once every layer has filled its page through Append (rows that
+  // ReserveAppend hands to a backend are never published: they may be unwritten). At
+  // most config().num_pages keys (INVALID_ARGUMENT, field "page_keys", otherwise).
+  absl::StatusOr<Sequence*> CreateSequence(absl::string_view id, const std::vector<PageKey>& keys);
+  // Rows per layer that CreateSequence found in the cache (a multiple of 64).
+  int64_t PrefixTokens(const Sequence* seq) const;
   // nullptr if unknown.
   Sequence* Find(absl::string_view id);
   const Sequence* Find(absl::string_view id) const;
@@ -137,9 +162,18 @@ class KvCacheManager {
     int64_t used_pages = 0;      // held by sequences
     int64_t high_water_pages = 0;  // most pages ever used at once
     int64_t sequences = 0;
+    // The prefix cache. Cached pages are unreferenced but keep their rows and key; they
+    // count as free (free_pages) and are evicted least recently used when the free
+    // list is empty.
+    int64_t cached_pages = 0;
+    int64_t keyed_pages = 0;      // pages whose key is published (referenced or cached)
+    uint64_t prefix_hits = 0;     // pages attached from the cache
+    uint64_t prefix_misses = 0;   // keys CreateSequence did not find (the first miss ends the walk)
+    uint64_t evictions = 0;       // cached pages handed out again
   };
   Stats GetStats() const;
-  int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
+  // Pages an append may take: the free list and the cached pages.
+  int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()) + cached_count_; }
   // References to a logical page (0 = free). For tests and debugging.
   int32_t RefCount(int32_t page) const;
 
@@ -157,8 +191,16 @@ class KvCacheManager {
   // Drops table entries past what the longest layer needs.
   void TrimTable(Sequence* seq);
   int32_t AllocPage();
-  // Drops one reference; returns true when the page became free (or retiring).
+  // Drops one reference; returns true when the page became free (or retiring, or cached).
   bool Unref(int32_t page);
+  // A page no sequence references and no read may still touch: cached if it has a key,
+  // else free.
+  void Unreferenced(int32_t page);
+  // Publishes the keys of seq's pages that every layer has filled since the last call.
+  void PublishFull(Sequence* seq);
+  void CacheLink(int32_t page);    // at the most recently used end
+  void CacheUnlink(int32_t page);
+  void Unkey(int32_t page);
 
   struct Retiring {
     uint64_t after_read;  // free once reads up to this id have closed
@@ -173,6 +215,15 @@ class KvCacheManager {
   uint64_t reads_opened_ = 0, reads_closed_ = 0;
   int64_t high_water_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_;
+  // Prefix cache: published keys and their pages; per page its key and its place on the
+  // list of cached (unreferenced) pages, least recently cached first.
+  absl::flat_hash_map<PageKey, int32_t> by_key_;
+  std::vector<PageKey> key_of_;
+  std::vector<uint8_t> keyed_;
+  std::vector<int32_t> cache_prev_, cache_next_;  // -1: none
+  int32_t cache_head_ = -1, cache_tail_ = -1;
+  int64_t cached_count_ = 0;
+  uint64_t prefix_hits_ = 0, prefix_misses_ = 0, evictions_ = 0;
   // Least recently used first (see Touch).
   Sequence* lru_head_ = nullptr;
   Sequence* lru_tail_ = nullptr;

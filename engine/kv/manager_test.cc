@@ -794,5 +794,182 @@ TEST_F(ManagerTest, BlockTableGrowthIsAmortised) {
   ExpectConsistent();
 }
 
+
+// ---------------------------------------------------------------------------------
+// Prefix cache.
+
+std::vector<PageKey> Keys(std::initializer_list<uint64_t> ids) {
+  std::vector<PageKey> keys;
+  for (uint64_t id : ids) keys.push_back(PageKey{id * 0x9e3779b97f4a7c15ull, ~id});
+  return keys;
+}
+
+class PrefixCacheTest : public ManagerTest {
+ protected:
+  Sequence* CreateWith(absl::string_view id, const std::vector<PageKey>& keys) {
+    auto s = mgr_->CreateSequence(id, keys);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : nullptr;
+  }
+};
+
+TEST_F(PrefixCacheTest, FullPagesAreAttachedByReference) {
+  Sequence* a = CreateWith("a", Keys({1, 2, 3}));
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(mgr_->PrefixTokens(a), 0);
+  AppendAll(a, 3 * kPageSize + 5, 100);  // three full pages and a partial one
+  const std::vector<int32_t> a_table = mgr_->BlockTable(a);
+
+  Sequence* b = CreateWith("b", Keys({1, 2, 9, 3}));  // the third key differs
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(mgr_->PrefixTokens(b), 2 * kPageSize);
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(mgr_->Length(b, l), 2 * kPageSize);
+  ASSERT_EQ(mgr_->BlockTable(b).size(), 2u);
+  EXPECT_EQ(mgr_->BlockTable(b)[0], a_table[0]);
+  EXPECT_EQ(mgr_->BlockTable(b)[1], a_table[1]);
+  EXPECT_EQ(mgr_->RefCount(a_table[0]), 2);
+  for (int l = 0; l < kLayers; ++l) ExpectRows(b, l, 0, 2 * kPageSize, 100);
+  const auto st = mgr_->GetStats();
+  EXPECT_EQ(st.prefix_hits, 2u);
+  // a's three keys missed; of b's, 9 missed and 3 after it was not looked at.
+  EXPECT_EQ(st.prefix_misses, 3u + 2u);
+  EXPECT_EQ(st.keyed_pages, 3);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+
+  // b goes on with rows of its own: its third page is new, a's stays as it was.
+  AppendAll(b, 10, 900);
+  EXPECT_NE(mgr_->BlockTable(b)[2], a_table[2]);
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectRows(a, l, 2 * kPageSize, kPageSize + 5, 100 + 2 * kPageSize);
+    ExpectRows(b, l, 2 * kPageSize, 10, 900);
+  }
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, KeysArePublishedOnlyOnceEveryLayerFilledThePage) {
+  Sequence* a = CreateWith("a", Keys({1}));
+  ASSERT_TRUE(Append(a, 0, kPageSize, 1).ok());
+  ASSERT_TRUE(Append(a, 1, kPageSize, 1).ok());
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("b", Keys({1}))), 0);  // layer 2 is still empty
+  ASSERT_TRUE(Append(a, 2, kPageSize - 1, 1).ok());
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("c", Keys({1}))), 0);  // one row short
+  ASSERT_TRUE(Append(a, 2, 1, 1 + kPageSize - 1).ok());
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("d", Keys({1}))), kPageSize);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, ReservedRowsAreNeverPublished) {
+  Sequence* a = CreateWith("a", Keys({1}));
+  std::vector<AppendSlot> slots(KvCacheManager::MaxAppendSlots(kPageSize));
+  int n = 0;
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(mgr_->ReserveAppend(a, l, kPageSize, slots.data(), &n).ok());
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("b", Keys({1}))), 0);
+  EXPECT_EQ(mgr_->GetStats().keyed_pages, 0);
+}
+
+TEST_F(PrefixCacheTest, ReleasedPagesStayCachedAndCountAsFree) {
+  Sequence* a = CreateWith("a", Keys({1, 2}));
+  AppendAll(a, 2 * kPageSize + 3, 7);
+  const std::vector<int32_t> table = mgr_->BlockTable(a);
+  ASSERT_TRUE(mgr_->Release("a").ok());
+  auto st = mgr_->GetStats();
+  EXPECT_EQ(st.cached_pages, 2);   // the partial third page is free, keyless
+  EXPECT_EQ(st.free_pages, config_.num_pages);
+  EXPECT_EQ(st.used_pages, 0);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+
+  Sequence* b = CreateWith("b", Keys({1, 2}));
+  EXPECT_EQ(mgr_->PrefixTokens(b), 2 * kPageSize);
+  EXPECT_EQ(mgr_->BlockTable(b), std::vector<int32_t>(table.begin(), table.begin() + 2));
+  for (int l = 0; l < kLayers; ++l) ExpectRows(b, l, 0, 2 * kPageSize, 7);
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 0);
+  EXPECT_EQ(mgr_->RefCount(table[0]), 1);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, CachedPagesAreEvictedLeastRecentlyCachedFirst) {
+  Reset(4);
+  for (uint64_t k = 1; k <= 3; ++k) {
+    const std::string id = absl::StrCat("s", k);
+    Sequence* s = CreateWith(id, Keys({k}));
+    AppendAll(s, kPageSize, static_cast<uint32_t>(k * 1000));
+    ASSERT_TRUE(mgr_->Release(id).ok());
+  }
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 3);
+  // Two pages of new rows: the free page, then the oldest cached one (key 1).
+  Sequence* big = CreateWith("big", {});
+  AppendAll(big, 2 * kPageSize, 5);
+  auto st = mgr_->GetStats();
+  EXPECT_EQ(st.evictions, 1u);
+  EXPECT_EQ(st.cached_pages, 2);
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("x1", Keys({1}))), 0);
+  Sequence* x2 = CreateWith("x2", Keys({2}));
+  EXPECT_EQ(mgr_->PrefixTokens(x2), kPageSize);
+  for (int l = 0; l < kLayers; ++l) ExpectRows(x2, l, 0, kPageSize, 2000);
+  // A full pool with only cached pages left still appends (evicting key 3), and an
+  // append beyond that is out of pages and changes nothing.
+  AppendAll(big, kPageSize, 9);
+  EXPECT_EQ(mgr_->GetStats().evictions, 2u);
+  EXPECT_TRUE(absl::IsResourceExhausted(Append(big, 0, 1, 1)));
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, WritingIntoAnAttachedPageCopiesItFirst) {
+  Sequence* a = CreateWith("a", Keys({1, 2}));
+  AppendAll(a, 2 * kPageSize, 50);
+  ASSERT_TRUE(mgr_->Release("a").ok());
+  Sequence* b = CreateWith("b", Keys({1, 2}));
+  const int32_t second = mgr_->BlockTable(b)[1];
+  // b is the page's only holder, but the page is published: b's rewrite of its tail
+  // goes to a copy, and the cached rows stay what the key says.
+  for (int l = 0; l < kLayers; ++l) mgr_->TruncateLayer(b, l, kPageSize + 10);
+  AppendAll(b, 5, 777);
+  EXPECT_NE(mgr_->BlockTable(b)[1], second);
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectRows(b, l, kPageSize, 10, 50 + kPageSize);
+    ExpectRows(b, l, kPageSize + 10, 5, 777);
+  }
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 1);
+  Sequence* c = CreateWith("c", Keys({1, 2}));
+  EXPECT_EQ(mgr_->BlockTable(c)[1], second);
+  for (int l = 0; l < kLayers; ++l) ExpectRows(c, l, 0, 2 * kPageSize, 50);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, PagesFreedDuringAReadAreNotAttachedUntilItCloses) {
+  Sequence* a = CreateWith("a", Keys({1}));
+  AppendAll(a, kPageSize, 3);
+  const uint64_t read = mgr_->OpenRead();
+  ASSERT_TRUE(mgr_->Release("a").ok());
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("b", Keys({1}))), 0);  // retiring
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+  mgr_->CloseRead(read);
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 1);
+  EXPECT_EQ(mgr_->PrefixTokens(CreateWith("c", Keys({1}))), kPageSize);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, AKeyFilledTwiceKeepsItsFirstPage) {
+  Sequence* a = CreateWith("a", Keys({1}));
+  Sequence* b = CreateWith("b", Keys({1}));  // nothing published yet: b fills its own
+  AppendAll(a, kPageSize, 1);
+  AppendAll(b, kPageSize, 1);
+  EXPECT_EQ(mgr_->GetStats().keyed_pages, 1);
+  Sequence* c = CreateWith("c", Keys({1}));
+  EXPECT_EQ(mgr_->BlockTable(c)[0], mgr_->BlockTable(a)[0]);
+  ASSERT_TRUE(mgr_->Release("b").ok());  // b's keyless page is simply free
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 0);
+  EXPECT_TRUE(mgr_->CheckConsistency().ok()) << mgr_->CheckConsistency();
+}
+
+TEST_F(PrefixCacheTest, TooManyKeysIsInvalidAndCreatesNothing) {
+  std::vector<PageKey> keys(config_.num_pages + 1);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = PageKey{i, i};
+  auto s = mgr_->CreateSequence("a", keys);
+  ASSERT_TRUE(absl::IsInvalidArgument(s.status()));
+  EXPECT_TRUE(StartsWith(s.status(), "page_keys:")) << s.status();
+  EXPECT_EQ(mgr_->Find("a"), nullptr);
+}
+
 }  // namespace
 }  // namespace latentd::engine::kv
