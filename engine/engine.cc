@@ -90,6 +90,30 @@ class EngineImpl final : public Engine {
     return kv_.Id(*seq);
   }
 
+  absl::StatusOr<CreatedSequence> CreateSequenceWithPrefix(absl::string_view id,
+                                                           const std::vector<std::string>& page_keys) override {
+    std::vector<kv::PageKey> keys;  // once per sequence, not per step
+    keys.reserve(page_keys.size());
+    for (size_t i = 0; i < page_keys.size(); ++i) {
+      const std::string& k = page_keys[i];
+      if (k.size() != kPageKeyBytes)
+        return absl::InvalidArgumentError(
+            absl::StrCat("page_keys[", i, "]: expected ", kPageKeyBytes, " bytes, got ", k.size()));
+      kv::PageKey key;
+      for (int b = 0; b < 8; ++b) key.hi = key.hi << 8 | static_cast<uint8_t>(k[b]);
+      for (int b = 8; b < 16; ++b) key.lo = key.lo << 8 | static_cast<uint8_t>(k[b]);
+      keys.push_back(key);
+    }
+    absl::MutexLock lock(&kv_mu_);
+    if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
+    auto seq = kv_.CreateSequence(id, keys);
+    if (!seq.ok()) return seq.status();
+    kv_.Touch(*seq, absl::Now());
+    const int64_t prefix = kv_.PrefixTokens(*seq);
+    prefix_bytes_saved_ += static_cast<uint64_t>(prefix) * RowBytes() * o_.model.num_layers;
+    return CreatedSequence{kv_.Id(*seq), prefix};
+  }
+
   absl::StatusOr<SequenceLengths> AppendKv(absl::string_view id, int layer, absl::string_view kv) override {
     if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
     if (layer < 0 || layer >= o_.model.num_layers)
@@ -277,6 +301,12 @@ class EngineImpl final : public Engine {
       m.pages_free = stats.free_pages;
       m.pages_high_water = stats.high_water_pages;
       m.sequences = stats.sequences;
+      m.pages_cached = stats.cached_pages;
+      m.pages_keyed = stats.keyed_pages;
+      m.prefix_hit_pages = stats.prefix_hits;
+      m.prefix_miss_pages = stats.prefix_misses;
+      m.prefix_evictions = stats.evictions;
+      m.prefix_bytes_saved = prefix_bytes_saved_;
     }
     m.rejected_out_of_pages += rejected_out_of_pages_.load();
     m.rejected_max_sequences = rejected_max_sequences_.load();
@@ -596,6 +626,7 @@ class EngineImpl final : public Engine {
 
   mutable absl::Mutex kv_mu_;
   kv::KvCacheManager kv_ ABSL_GUARDED_BY(kv_mu_);
+  uint64_t prefix_bytes_saved_ ABSL_GUARDED_BY(kv_mu_) = 0;
 
   StepQueue queue_;
   EngineMetricsRecorder metrics_;

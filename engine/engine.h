@@ -5,6 +5,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,6 +26,13 @@ class Engine {
   // Empty id: the engine makes an unguessable one. ALREADY_EXISTS for a taken id,
   // INVALID_ARGUMENT for a malformed one, RESOURCE_EXHAUSTED at max_sequences.
   virtual absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id) = 0;
+  // The same, with the content keys of the prefix's full 64-token pages in order
+  // (kPageKeyBytes each; clients/ compute them from token ids): every leading page the
+  // prefix cache holds is attached by reference (docs/prefix-cache.md). INVALID_ARGUMENT
+  // naming page_keys[i] for a key of another size, or page_keys for more keys than the
+  // pool has pages.
+  virtual absl::StatusOr<CreatedSequence> CreateSequenceWithPrefix(absl::string_view sequence_id,
+                                                                   const std::vector<std::string>& page_keys) = 0;
   // Appends n = kv.size() / (h_kv * 576 * 2) rows to one layer. All or nothing:
   // RESOURCE_EXHAUSTED when pages run out. Large uploads are copied in chunks with the
   // KV lock dropped in between, so other clients' steps keep launching. Decoding or

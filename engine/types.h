@@ -92,6 +92,16 @@ struct SequenceLengths {
 
 // What a client needs to resynchronise with a sequence after losing track of it (a
 // reconnect, a failed upload): its rows per layer and the pages behind them.
+// What CreateSequence made: the id, and how many leading rows per layer it found in the
+// prefix cache (every layer starts that long; the client uploads only the rest).
+struct CreatedSequence {
+  std::string sequence_id;
+  int64_t prefix_tokens = 0;  // a multiple of 64
+};
+
+// A page content key on the wire: 16 bytes (kv::PageKey, big-endian hi then lo).
+inline constexpr size_t kPageKeyBytes = 16;
+
 struct SequenceInfo {
   std::string sequence_id;
   std::vector<int64_t> lengths;  // rows per layer
@@ -173,6 +183,11 @@ struct EngineMetrics {
   double queue_wait_us_p50 = 0, queue_wait_us_p90 = 0, queue_wait_us_p99 = 0;
   double exec_us_p50 = 0, exec_us_p90 = 0, exec_us_p99 = 0;
   int64_t pages_used = 0, pages_free = 0, pages_high_water = 0;
+  // The prefix cache: pages_cached are unreferenced pages that keep their rows (counted
+  // in pages_free too); hits and misses count pages; saved bytes are the rows attached
+  // instead of uploaded, over all layers, in the client's input format.
+  int64_t pages_cached = 0, pages_keyed = 0;
+  uint64_t prefix_hit_pages = 0, prefix_miss_pages = 0, prefix_evictions = 0, prefix_bytes_saved = 0;
   uint64_t rejected_queue_full = 0, rejected_out_of_pages = 0, rejected_invalid = 0,
            rejected_deadline = 0, dropped_cancelled = 0;
   uint64_t rejected_max_sequences = 0;  // CreateSequence/ForkSequence at max_sequences

@@ -126,6 +126,21 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
     }
     out.push_back(std::move(f));
   }
+  out.push_back(Gauge("latentd_prefix_cached_pages",
+                      "Unreferenced KV pages kept for prefix reuse (counted as free in latentd_kv_pages).",
+                      static_cast<double>(e.pages_cached)));
+  out.push_back(Gauge("latentd_prefix_keyed_pages", "KV pages whose content key is published (live or cached).",
+                      static_cast<double>(e.pages_keyed)));
+  out.push_back(Counter("latentd_prefix_hit_pages_total", "Prefix pages CreateSequence attached from the cache.",
+                        static_cast<double>(e.prefix_hit_pages)));
+  out.push_back(Counter("latentd_prefix_miss_pages_total",
+                        "Prefix page keys CreateSequence did not find (from the first miss on).",
+                        static_cast<double>(e.prefix_miss_pages)));
+  out.push_back(Counter("latentd_prefix_evictions_total", "Cached prefix pages handed out again, least recently cached first.",
+                        static_cast<double>(e.prefix_evictions)));
+  out.push_back(Counter("latentd_prefix_upload_bytes_saved_total",
+                        "Bytes of KV rows clients did not upload because their prefix was cached (all layers).",
+                        static_cast<double>(e.prefix_bytes_saved)));
   out.push_back(Gauge("latentd_kv_pages_high_water", "Most KV pages in use at once since the start.",
                       static_cast<double>(e.pages_high_water)));
   out.push_back(Gauge("latentd_sequences", "Live sequences (forks included).", static_cast<double>(e.sequences)));

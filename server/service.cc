@@ -238,12 +238,25 @@ ServerUnaryReactor* DecodeServiceImpl::CreateSequence(CallbackServerContext* ctx
   if (st.ok() && draining()) st = Unavailable();
   if (st.ok()) st = ToGrpc(CheckIdField("sequence_id", request->sequence_id(), true));
   if (st.ok()) {
-    auto id = engine_->CreateSequence(request->sequence_id());
-    if (id.ok()) {
-      response->set_sequence_id(*id);
-      spdlog::debug("created sequence {}", *id);
+    if (request->page_keys_size() == 0) {
+      auto id = engine_->CreateSequence(request->sequence_id());
+      if (id.ok()) {
+        response->set_sequence_id(*id);
+        spdlog::debug("created sequence {}", *id);
+      } else {
+        st = ToGrpc(id.status());
+      }
     } else {
-      st = ToGrpc(id.status());
+      const std::vector<std::string> keys(request->page_keys().begin(), request->page_keys().end());
+      auto created = engine_->CreateSequenceWithPrefix(request->sequence_id(), keys);
+      if (created.ok()) {
+        response->set_sequence_id(created->sequence_id);
+        response->set_prefix_tokens(created->prefix_tokens);
+        spdlog::debug("created sequence {} with {} of {} prefix pages cached", created->sequence_id,
+                      created->prefix_tokens / kernels::kPageSize, keys.size());
+      } else {
+        st = ToGrpc(created.status());
+      }
     }
   }
   reactor->Finish(st);

@@ -110,6 +110,19 @@ absl::StatusOr<std::string> Client::CreateSequence(absl::string_view sequence_id
   return resp.sequence_id();
 }
 
+absl::StatusOr<v1::CreateSequenceResponse> Client::CreateSequenceWithPrefix(
+    absl::string_view sequence_id, const std::vector<std::string>& page_keys, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
+  v1::CreateSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  for (const std::string& k : page_keys) req.add_page_keys(k);
+  v1::CreateSequenceResponse resp;
+  grpc::Status st = stub_->CreateSequence(&ctx, req, &resp);
+  if (!st.ok()) return ToAbsl(st);
+  return resp;
+}
+
 absl::StatusOr<v1::AppendKvResponse> Client::AppendKv(absl::string_view sequence_id, int layer,
                                                       absl::string_view kv, const CallOptions& call) {
   return AppendKvParts(sequence_id, {{layer, kv}}, call);

@@ -84,6 +84,12 @@ class Client {
 
   absl::StatusOr<v1::ServerInfo> GetInfo(absl::Duration timeout = absl::InfiniteDuration());
   absl::StatusOr<std::string> CreateSequence(absl::string_view sequence_id = "", const CallOptions& call = {});
+  // With prefix reuse: `page_keys` from PageKeys (page_keys.h) over the prompt's token
+  // ids. The response's prefix_tokens rows of every layer are already there; append
+  // from that row on.
+  absl::StatusOr<v1::CreateSequenceResponse> CreateSequenceWithPrefix(absl::string_view sequence_id,
+                                                                      const std::vector<std::string>& page_keys,
+                                                                      const CallOptions& call = {});
   // Uploads rows [n, h_kv, 576] to one layer in chunks over one AppendKv stream.
   absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv,
                                                 const CallOptions& call = {});

@@ -112,6 +112,50 @@ class PythonClientTest(unittest.TestCase):
         self.run_sequence(1, {0: 130, 1: 64}, [(0, 1, False), (1, 2, True), (0, 2, True), (1, 1, False)],
                           fork_after=2)
 
+    def test_prefix_reuse(self):
+        c, info = self.client, self.client.info
+        # The chain's bytes as the C++ client's test has them (clients/cpp/page_keys_test.cc).
+        ids = [(i * 7919 + 13) % 129280 for i in range(200)]
+        self.assertEqual([k.hex() for k in latentd_client.page_keys(ids)],
+                         ["993f763e15cd48180d5d806e7838563a", "3b01f31f81a7f3d4104608be2a8cf3f8",
+                          "6f7028a8268e5db4f0ee1a75ebd6fb2e"])
+        self.assertEqual(latentd_client.page_keys(ids, "tenant-a")[0].hex(), "ad28246e1f940208e41a1c5e7c61f9ab")
+
+        rng = np.random.default_rng(7)
+        shared = [int(t) for t in rng.integers(0, 100000, 192)]
+        own = [[int(t) for t in rng.integers(0, 100000, 70)] for _ in range(3)]
+        prefix_rows = {l: self.rand(rng, 192, info.num_heads_kv, 576) for l in range(info.num_layers)}
+        seqs = []
+        for i in range(3):
+            keys = latentd_client.page_keys(shared + own[i], salt="tenant-a")
+            self.assertEqual(len(keys), 4)
+            seq, present = c.create_sequence_with_prefix(keys)
+            # The first uploads everything; the others find the three shared pages (the
+            # fourth page's tokens differ). After a release the pages stay cached.
+            self.assertEqual(present, 0 if i == 0 else 192)
+            rows = {l: np.concatenate([prefix_rows[l], self.rand(rng, 70, info.num_heads_kv, 576)])
+                    for l in range(info.num_layers)}
+            resp = c.append_kv(seq, {l: r[present:] for l, r in rows.items()})
+            self.assertEqual(list(resp.lengths), [262] * info.num_layers)
+            for layer in range(info.num_layers):
+                q = self.rand(rng, 1, info.num_heads_q, 576)
+                kv = self.rand(rng, 1, info.num_heads_kv, 576)
+                [out] = c.decode([dict(sequence_id=seq, layer=layer, q=q, kv=kv)])
+                self.check(out, q, np.concatenate([rows[layer], kv]), False)
+            seqs.append(seq)
+            if i == 1:  # no sequence holds the shared pages now: the third finds them cached
+                c.release_sequence(seqs.pop(0))
+                c.release_sequence(seqs.pop(0))
+        # Another tenant's salt names other pages.
+        seq, present = c.create_sequence_with_prefix(latentd_client.page_keys(shared, salt="tenant-b"))
+        self.assertEqual(present, 0)
+        for sid in seqs + [seq]:
+            c.release_sequence(sid)
+        with self.assertRaises(LatentdError) as e:
+            c.create_sequence_with_prefix([b"short"])
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("page_keys[0]", str(e.exception))
+
     def test_many_threads(self):
         errors = []
 

@@ -10,6 +10,8 @@ from .client import (  # noqa: F401
     from_wire,
     reference_decode,
     fp8_kv_roundtrip,
+    page_keys,
+    PAGE_TOKENS,
 )
 from .ring import DoorbellRing, STEP_DTYPE, COMPLETION_DTYPE, ring_bytes  # noqa: F401
 from .sharded import (  # noqa: F401

@@ -1,11 +1,13 @@
 # The latentd Python client: a thin wrapper over the generated gRPC stubs that moves
 # numpy arrays to and from the server's wire format (raw bf16/fp16 values), uploads
 # prefixes in chunks and runs decode steps over a Decode stream.
+import hashlib
 import itertools
 import mmap
 import os
 import queue
 import socket
+import struct
 import threading
 
 import grpc
@@ -19,6 +21,28 @@ from .ring import DoorbellRing, ring_bytes
 # daemons (deploy/nginx) hashes on it. Set on every sequence RPC.
 ROUTE_HEADER = "x-latentd-route"
 
+
+
+PAGE_TOKENS = 64
+
+
+def page_keys(token_ids, salt=b""):
+    """Prefix-cache keys of the full 64-token pages of `token_ids` (docs/prefix-cache.md).
+
+    A hash chain: key i is the first 16 bytes of SHA-256(key i-1 + the page's ids as
+    little-endian int64), after SHA-256(b"latentd.page_key.v1" + len(salt) as
+    little-endian uint64 + salt). The C++ client's PageKeys computes the same bytes.
+    """
+    if isinstance(salt, str):
+        salt = salt.encode()
+    parent = hashlib.sha256(b"latentd.page_key.v1" + struct.pack("<Q", len(salt)) + salt).digest()[:16]
+    ids = [int(t) for t in token_ids]
+    keys = []
+    for p in range(len(ids) // PAGE_TOKENS):
+        page = struct.pack("<%dq" % PAGE_TOKENS, *ids[p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS])
+        parent = hashlib.sha256(parent + page).digest()[:16]
+        keys.append(parent)
+    return keys
 
 class LatentdError(Exception):
     """An RPC or step failed; .code is the grpc.StatusCode, .message the server's text."""
@@ -161,6 +185,16 @@ class LatentdClient(ModelWire):
     def create_sequence(self, sequence_id="", route=None, timeout=None):
         return self._call(self.stub.CreateSequence, latentd_pb2.CreateSequenceRequest(sequence_id=sequence_id),
                           route or sequence_id, timeout).sequence_id
+
+    def create_sequence_with_prefix(self, page_keys, sequence_id="", route=None, timeout=None):
+        """CreateSequence with prefix reuse: `page_keys` from page_keys(token_ids, salt).
+
+        Returns (sequence_id, prefix_tokens): every layer already holds prefix_tokens rows
+        (whole pages the server had cached); append the prompt's rows from there on.
+        """
+        req = latentd_pb2.CreateSequenceRequest(sequence_id=sequence_id, page_keys=list(page_keys))
+        resp = self._call(self.stub.CreateSequence, req, route or sequence_id, timeout)
+        return resp.sequence_id, resp.prefix_tokens
 
     def fork_sequence(self, sequence_id, new_sequence_id="", route=None, timeout=None):
         req = latentd_pb2.ForkSequenceRequest(sequence_id=sequence_id, new_sequence_id=new_sequence_id)
