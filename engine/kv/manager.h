@@ -176,6 +176,8 @@ class KvCacheManager {
   int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()) + cached_count_; }
   // References to a logical page (0 = free). For tests and debugging.
   int32_t RefCount(int32_t page) const;
+  // Whether the page's content key is published (it is then never written again).
+  bool Keyed(int32_t page) const { return page >= 0 && page < config_.num_pages && keyed_[page] != 0; }
 
   // Recomputes everything derivable and compares: reference counts equal the
   // references from block tables, the free list holds each unreferenced page exactly

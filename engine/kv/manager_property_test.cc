@@ -50,6 +50,8 @@ void ExpectExercised(const KvCacheConfig& config, const ModelCounts& c, bool wit
   EXPECT_GT(c.out_of_pages, 0);
   EXPECT_GT(c.cow_copies, 0);
   EXPECT_GT(c.forks, 0);
+  EXPECT_GT(c.keyed_creates, 0);
+  EXPECT_GT(c.prefix_hit_pages, 0);  // some prompt pages came from the prefix cache
   if (with_reads) {
     EXPECT_GT(c.reads, 0);
     EXPECT_GT(c.retired, 0);  // some pages were freed under an open read

@@ -138,7 +138,7 @@ int64_t ManagerModel::PagesNeeded(const Sequence* seq, int layer, int n) {
   const int64_t present = static_cast<int64_t>(table.size());
   int64_t need = std::max<int64_t>(0, end - present);
   for (int64_t i = len / kPageSize; i < std::min(end, present); ++i) {
-    if (mgr_->RefCount(table[i]) > 1) ++need;
+    if (mgr_->RefCount(table[i]) > 1 || mgr_->Keyed(table[i])) ++need;
   }
   return need;
 }
@@ -173,7 +173,7 @@ void ManagerModel::DoStep() {
   }
   if (options_.with_touch && !model_.empty() && Uniform(0, 99) < 5) return TouchOp();
   const int r = Uniform(0, 99);
-  if (model_.empty() || r < 8) return Create();
+  if (model_.empty() || r < 8) return r % 3 == 0 ? KeyedCreate() : Create();
   // Release more eagerly when the pool runs low, so it keeps cycling.
   if (mgr_->free_pages() < config_.num_pages / 4 && r < 40) return ReleaseOp();
   if (r < 25) return AppendOp();
@@ -194,6 +194,65 @@ void ManagerModel::Create() {
   if (!id.empty()) {
     MODEL_CHECK(mgr_->CreateSequence(id).status().code() == absl::StatusCode::kAlreadyExists);
   }
+}
+
+namespace {
+
+// Row tags of prompt family f: the same rows for every sequence of the family, apart from
+// the counter's tags (which stay below 2^31).
+uint32_t FamilyTag(int family, int layer, int64_t token) {
+  return 0x80000000u | static_cast<uint32_t>(family) << 24 | static_cast<uint32_t>(layer) << 16 |
+         static_cast<uint32_t>(token);
+}
+
+}  // namespace
+
+void ManagerModel::KeyedCreate() {
+  const int family = Uniform(0, 2);
+  const int pages = Uniform(1, std::min<int>(3, config_.num_pages));
+  std::vector<PageKey> keys;
+  for (int i = 0; i < pages; ++i) keys.push_back(PageKey{static_cast<uint64_t>(family) + 1, static_cast<uint64_t>(i)});
+  auto s = mgr_->CreateSequence(absl::StrCat("k", next_id_++), keys);
+  MODEL_CHECK(s.ok()) << s.status();
+  const std::string id = mgr_->Id(*s);
+  const int64_t present = mgr_->PrefixTokens(*s);
+  MODEL_CHECK(present % kPageSize == 0 && present <= pages * kPageSize) << present;
+  Rows rows(config_.num_layers);
+  for (int l = 0; l < config_.num_layers; ++l) {
+    MODEL_CHECK_EQ(mgr_->Length(*s, l), present);
+    for (int64_t t = 0; t < present; ++t) rows[l].push_back(FamilyTag(family, l, t));
+  }
+  model_[id] = rows;
+  last_used_[id] = mgr_->LastUsed(*s);
+  ids_.push_back(id);
+  ++counts_.keyed_creates;
+  counts_.prefix_hit_pages += present / kPageSize;
+  // The attached rows are the family's: a page attached under another's key would differ.
+  MODEL_RETURN_IF_FAILED(VerifySequence(id));
+  const int n = static_cast<int>(pages * kPageSize - present);
+  if (n == 0) return;
+  std::vector<char> buf(n * config_.row_bytes());
+  for (int l = 0; l < config_.num_layers; ++l) {
+    std::vector<uint32_t> tags;
+    for (int i = 0; i < n; ++i) {
+      tags.push_back(FamilyTag(family, l, present + i));
+      FillRow(config_, tags.back(), &buf[i * config_.row_bytes()]);
+    }
+    const int64_t need = PagesNeeded(*s, l, n);
+    const int64_t free_before = mgr_->free_pages();
+    absl::Status st = mgr_->Append(*s, l, buf.data(), n);
+    if (need > free_before) {
+      MODEL_CHECK(st.code() == absl::StatusCode::kResourceExhausted) << st;
+      ++counts_.out_of_pages;
+      MODEL_CHECK(mgr_->Release(id).ok()) << id;
+      Forget(id);
+      return;
+    }
+    MODEL_CHECK(st.ok()) << st;
+    auto& model = model_[id][l];
+    model.insert(model.end(), tags.begin(), tags.end());
+  }
+  VerifySequence(id);
 }
 
 // A model step: the same number of rows for every layer in turn, which keeps layers
@@ -411,7 +470,7 @@ void ManagerModel::CountCopies(const Sequence* seq, int layer, int n) {
   const int64_t len = mgr_->Length(seq, layer);
   const int64_t end = std::min<int64_t>(PagesForTokens(len + n), table.size());
   for (int64_t i = len / kPageSize; i < end; ++i) {
-    if (mgr_->RefCount(table[i]) > 1) ++counts_.cow_copies;
+    if (mgr_->RefCount(table[i]) > 1 || mgr_->Keyed(table[i])) ++counts_.cow_copies;
   }
 }
 

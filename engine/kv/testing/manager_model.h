@@ -1,6 +1,6 @@
-// A shadow model of KvCacheManager for randomized checking: create / append / reserve /
-// truncate / fork / release / read operations chosen by a ChoiceSource, each checked
-// against the model. Shared by manager_property_test (seeded PRNG) and the kv fuzzer.
+// A shadow model of KvCacheManager for randomized checking: create (with and without
+// prefix keys) / append / reserve / truncate / fork / release / read operations chosen
+// by a ChoiceSource, each checked against the model. Shared by manager_property_test (seeded PRNG) and the kv fuzzer.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +38,7 @@ struct ModelOptions {
 // What a run exercised; the property test asserts that each path was reached.
 struct ModelCounts {
   int64_t ops = 0, forks = 0, cow_copies = 0, out_of_pages = 0, reads = 0, retired = 0;
+  int64_t keyed_creates = 0, prefix_hit_pages = 0;
   int64_t high_water_pages = 0;
 };
 
@@ -96,6 +97,10 @@ class ManagerModel {
 
   void DoStep();
   void Create();
+  // A sequence of one of a few prompt families: keys for its first pages, whatever the
+  // cache attaches, then the family's rows appended to every layer up to the keyed
+  // length (released again if the pool runs out first, as a client would).
+  void KeyedCreate();
   void AppendEveryLayerOp();
   void AppendOp();
   void AppendOp(const std::string& id, int layer, int n);
