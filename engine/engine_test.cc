@@ -369,6 +369,42 @@ TEST_F(EngineTest, BadStepsAreRefusedWithTheField) {
   EXPECT_TRUE(absl::IsInvalidArgument(engine->AppendKv(a, 5, std::string(1152, 'x')).status()));
 }
 
+TEST_F(EngineTest, PrefixKeysAttachCachedPagesAndCountTheSavedBytes) {
+  auto engine = Make(Model(2, 16));
+  ASSERT_NE(engine, nullptr);
+  const size_t row = 576 * 2;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 3; ++i) keys.push_back(std::string(15, 'k') + static_cast<char>('0' + i));
+  auto a = engine->CreateSequenceWithPrefix("", keys);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->prefix_tokens, 0);
+  std::string rows(2 * 64 * row + 7 * row, '\x3c');  // two full pages and a partial one
+  for (int layer = 0; layer < 2; ++layer) ASSERT_TRUE(engine->AppendKv(a->sequence_id, layer, rows).ok());
+  auto b = engine->CreateSequenceWithPrefix("b", keys);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->sequence_id, "b");
+  EXPECT_EQ(b->prefix_tokens, 128);
+  auto info = engine->GetSequence("b");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->lengths, (std::vector<int64_t>{128, 128}));
+  EXPECT_EQ(info->shared_pages, 2);
+  EngineMetrics m = engine->Metrics();
+  EXPECT_EQ(m.prefix_hit_pages, 2u);
+  EXPECT_EQ(m.prefix_miss_pages, 3u + 1u);
+  EXPECT_EQ(m.prefix_bytes_saved, 128u * row * 2);
+  EXPECT_EQ(m.pages_keyed, 2);
+  ASSERT_TRUE(engine->ReleaseSequence(a->sequence_id).ok());
+  ASSERT_TRUE(engine->ReleaseSequence("b").ok());
+  m = engine->Metrics();
+  EXPECT_EQ(m.pages_cached, 2);
+  EXPECT_EQ(m.pages_used, 0);
+  // Bad keys: the field and what was expected; nothing is created.
+  auto bad = engine->CreateSequenceWithPrefix("c", {keys[0], "short"});
+  ASSERT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_NE(bad.status().message().find("page_keys[1]: expected 16 bytes, got 5"), std::string::npos) << bad.status();
+  EXPECT_TRUE(absl::IsNotFound(engine->GetSequence("c").status()));
+}
+
 TEST_F(EngineTest, DrainFinishesAcceptedStepsThenRefuses) {
   EngineOptions o = Model(1, 16);
   o.max_batch_size = 2;
