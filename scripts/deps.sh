@@ -7,6 +7,8 @@ LATENTD_PACKAGES=(
   prometheus-cpp-dev prometheus
   # JSON for model checkpoints (engine/model: config.json, safetensors headers).
   nlohmann-json3-dev
+  # BLAS for the CPU attention-layer math (engine/layer: cblas_sgemm, multi-threaded).
+  libopenblas-dev
   python3 python3-grpcio python3-protobuf python3-numpy
   # Fuzzing (scripts/fuzz.sh): clang 14 with libFuzzer and the sanitizer runtimes;
   # llvm brings llvm-symbolizer for readable sanitizer stacks.

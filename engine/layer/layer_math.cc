@@ -1,0 +1,316 @@
+// CpuLayerMath: the MLA layer's projections as float32 sgemm calls (OpenBLAS), with the model
+// dtype's roundings applied between them where Hugging Face's DeepseekV3Attention has them.
+#include "engine/layer/layer_math.h"
+
+#include <cblas.h>
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/half.h"
+
+namespace latentd::engine::layer {
+namespace {
+
+using kernels::DType;
+
+float* Grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
+  return s + "]";
+}
+
+// Checks a weight's shape and value count and converts it to float32.
+absl::Status ToFloat(const model::HostTensor& t, const char* field, std::vector<int64_t> shape, DType dtype,
+                     std::vector<float>& out) {
+  const std::string name = t.name.empty() ? std::string(field) : absl::StrCat(field, " (", t.name, ")");
+  if (t.shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected shape ", ShapeString(shape), ", got ", ShapeString(t.shape)));
+  }
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  if (static_cast<int64_t>(t.values.size()) != count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected ", count, " values for shape ", ShapeString(shape), ", got ", t.values.size()));
+  }
+  out.resize(static_cast<size_t>(count));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::HalfToFloat(dtype, t.values[i]);
+  return absl::OkStatus();
+}
+
+absl::Status Positive(const char* field, int64_t v) {
+  if (v >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected >= 1, got ", v));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::ModelConfig& config,
+                                                                   const model::AttentionLayerWeights& weights,
+                                                                   const LayerMathOptions& options) {
+  // The decode kernel's row is 512 latent + 64 rope values; other widths would need another kernel.
+  if (config.kv_lora_rank != kLatentRank) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_lora_rank: expected ", kLatentRank,
+                                                   " (the decode kernel's latent width), got ", config.kv_lora_rank));
+  }
+  if (config.qk_rope_head_dim != kRopeDim) {
+    return absl::InvalidArgumentError(absl::StrCat("qk_rope_head_dim: expected ", kRopeDim,
+                                                   " (the decode kernel's rope width), got ", config.qk_rope_head_dim));
+  }
+  for (absl::Status s :
+       {Positive("hidden_size", config.hidden_size), Positive("qk_nope_head_dim", config.qk_nope_head_dim),
+        Positive("v_head_dim", config.v_head_dim), Positive("q_lora_rank", config.q_lora_rank.value_or(1))}) {
+    if (!s.ok()) return s;
+  }
+  if (options.num_heads < 1 || options.num_heads > config.num_attention_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_heads: expected [1, num_attention_heads = ", config.num_attention_heads, "], got ", options.num_heads));
+  }
+  if (!(config.rms_norm_eps >= 0) || !std::isfinite(config.rms_norm_eps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rms_norm_eps: expected a finite number >= 0, got ", config.rms_norm_eps));
+  }
+  absl::StatusOr<Rope> rope = Rope::Create(RopeConfig::FromModel(config), options.max_positions);
+  if (!rope.ok()) return rope.status();
+
+  std::unique_ptr<CpuLayerMath> m(new CpuLayerMath(*std::move(rope)));
+  const DType dt = config.dtype;
+  const int64_t H = config.hidden_size, h = options.num_heads, nope = config.qk_nope_head_dim, v = config.v_head_dim,
+                qk = nope + kRopeDim;
+  m->dtype_ = dt;
+  m->hidden_ = config.hidden_size;
+  m->heads_ = options.num_heads;
+  m->nope_ = config.qk_nope_head_dim;
+  m->v_dim_ = config.v_head_dim;
+  m->eps_ = static_cast<float>(config.rms_norm_eps);
+  m->has_q_lora_ = config.q_lora_rank.has_value();
+
+  auto matrix = [&](const model::HostTensor& t, const char* field, int64_t rows, int64_t cols,
+                    Matrix& out) -> absl::Status {
+    out.rows = static_cast<int>(rows);
+    out.cols = static_cast<int>(cols);
+    return ToFloat(t, field, {rows, cols}, dt, out.values);
+  };
+  std::vector<absl::Status> checks;
+  if (m->has_q_lora_) {
+    const int64_t rq = *config.q_lora_rank;
+    m->q_rank_ = static_cast<int>(rq);
+    checks.push_back(matrix(weights.q_a_proj, "q_a_proj", rq, H, m->q_a_));
+    checks.push_back(ToFloat(weights.q_a_layernorm, "q_a_layernorm", {rq}, dt, m->q_a_norm_));
+    checks.push_back(matrix(weights.q_b_proj, "q_b_proj", h * qk, rq, m->q_b_));
+  } else {
+    checks.push_back(matrix(weights.q_proj, "q_proj", h * qk, H, m->q_proj_));
+  }
+  checks.push_back(matrix(weights.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", kLatentRank + kRopeDim, H, m->kv_a_));
+  checks.push_back(ToFloat(weights.kv_a_layernorm, "kv_a_layernorm", {kLatentRank}, dt, m->kv_a_norm_));
+  checks.push_back(matrix(weights.o_proj, "o_proj", H, h * v, m->o_proj_));
+  std::vector<float> kv_b;
+  checks.push_back(ToFloat(weights.kv_b_proj, "kv_b_proj", {h * (nope + v), kLatentRank}, dt, kv_b));
+  for (const absl::Status& s : checks) {
+    if (!s.ok()) return s;
+  }
+
+  // kv_b_proj is [h * (nope + v), 512], per head nope rows of W_UK then v rows of W_UV; both are
+  // copied out contiguously so each head's GEMM reads one dense [rows, 512] block.
+  m->w_uk_.resize(static_cast<size_t>(h * nope * kLatentRank));
+  m->w_uv_.resize(static_cast<size_t>(h * v * kLatentRank));
+  for (int64_t j = 0; j < h; ++j) {
+    const float* head = kv_b.data() + j * (nope + v) * kLatentRank;
+    std::copy(head, head + nope * kLatentRank, m->w_uk_.begin() + j * nope * kLatentRank);
+    std::copy(head + nope * kLatentRank, head + (nope + v) * kLatentRank, m->w_uv_.begin() + j * v * kLatentRank);
+  }
+  return m;
+}
+
+void CpuLayerMath::Round(float* v, size_t count) const {
+  for (size_t i = 0; i < count; ++i) v[i] = kernels::HalfToFloat(dtype_, kernels::FloatToHalf(dtype_, v[i]));
+}
+
+void CpuLayerMath::Linear(const float* x, int n, const Matrix& w, float* y) const {
+  // nn.Linear: y = x . W^T with W [out, in] row-major; the model's GEMM accumulates in float32
+  // and writes its dtype.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, w.rows, w.cols, 1.0f, x, w.cols, w.values.data(), w.cols,
+              0.0f, y, w.rows);
+  Round(y, static_cast<size_t>(n) * w.rows);
+}
+
+void CpuLayerMath::RmsNorm(float* v, int n, int width, int64_t stride, const std::vector<float>& weight) const {
+  // DeepseekV3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, cast to the input dtype, then
+  // weight * that in the model dtype (a second rounding).
+  for (int t = 0; t < n; ++t) {
+    float* row = v + t * stride;
+    double sum = 0;
+    for (int i = 0; i < width; ++i) sum += static_cast<double>(row[i]) * row[i];
+    const float variance = static_cast<float>(sum / width);
+    const float inv = 1.0f / std::sqrt(variance + eps_);
+    for (int i = 0; i < width; ++i) {
+      const float normed = kernels::HalfToFloat(dtype_, kernels::FloatToHalf(dtype_, row[i] * inv));
+      row[i] = kernels::HalfToFloat(dtype_, kernels::FloatToHalf(dtype_, weight[i] * normed));
+    }
+  }
+}
+
+absl::Status CpuLayerMath::CheckTokens(size_t x_size, absl::Span<const int64_t> positions, size_t out_size,
+                                       size_t out_width, const char* out_name) const {
+  const size_t n = positions.size();
+  if (x_size != n * hidden_) {
+    return absl::InvalidArgumentError(absl::StrCat("x: expected ", n, " tokens x hidden_size ", hidden_, " = ",
+                                                   n * hidden_, " values, got ", x_size));
+  }
+  if (out_size != n * out_width) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(out_name, ": expected ", n, " x ", out_width, " = ", n * out_width, " values, got ", out_size));
+  }
+  for (size_t t = 0; t < n; ++t) {
+    if (positions[t] < 0 || positions[t] >= rope_.max_positions()) {
+      return absl::OutOfRangeError(absl::StrCat("positions[", t, "] = ", positions[t],
+                                                ": outside [0, max_positions = ", rope_.max_positions(), ")"));
+    }
+  }
+  if (n > static_cast<size_t>(INT32_MAX / (heads_ * kernels::kHeadDimQK + hidden_))) {
+    return absl::InvalidArgumentError(absl::StrCat("positions: ", n, " tokens is too large a batch"));
+  }
+  return absl::OkStatus();
+}
+
+const float* CpuLayerMath::HiddenAsFloat(absl::Span<const uint16_t> x) {
+  float* xf = Grow(x_, x.size());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = kernels::HalfToFloat(dtype_, x[i]);
+  return xf;
+}
+
+absl::Status CpuLayerMath::Queries(absl::Span<const uint16_t> x, absl::Span<const int64_t> positions,
+                                   absl::Span<uint16_t> q) {
+  const size_t width = static_cast<size_t>(heads_) * kernels::kHeadDimQK;
+  if (absl::Status s = CheckTokens(x.size(), positions, q.size(), width, "q"); !s.ok()) return s;
+  QueriesFloat(HiddenAsFloat(x), positions, q.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuLayerMath::Queries(absl::Span<const float> x, absl::Span<const int64_t> positions,
+                                   absl::Span<uint16_t> q) {
+  const size_t width = static_cast<size_t>(heads_) * kernels::kHeadDimQK;
+  if (absl::Status s = CheckTokens(x.size(), positions, q.size(), width, "q"); !s.ok()) return s;
+  QueriesFloat(x.data(), positions, q.data());
+  return absl::OkStatus();
+}
+
+void CpuLayerMath::QueriesFloat(const float* x, absl::Span<const int64_t> positions, uint16_t* q) {
+  const int n = static_cast<int>(positions.size());
+  if (n == 0) return;
+  const int qk = nope_ + kRopeDim;
+  const int q_width = heads_ * qk;
+  float* full = Grow(q_full_, static_cast<size_t>(n) * q_width);
+  if (has_q_lora_) {
+    float* a = Grow(q_a_out_, static_cast<size_t>(n) * q_rank_);
+    Linear(x, n, q_a_, a);
+    RmsNorm(a, n, q_rank_, q_rank_, q_a_norm_);
+    Linear(a, n, q_b_, full);
+  } else {
+    Linear(x, n, q_proj_, full);
+  }
+
+  const int out_width = heads_ * kernels::kHeadDimQK;
+  float* out = Grow(q_out_, static_cast<size_t>(n) * out_width);
+  // Absorption, head by head: q_lat_h [n, 512] = q_nope_h [n, nope] . W_UK_h [nope, 512], read
+  // in place from q (row stride h * qk) and written in place into the output rows.
+  for (int j = 0; j < heads_; ++j) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, kLatentRank, nope_, 1.0f, full + j * qk, q_width,
+                w_uk_.data() + static_cast<size_t>(j) * nope_ * kLatentRank, kLatentRank, 0.0f,
+                out + j * kernels::kHeadDimQK, out_width);
+  }
+  for (int t = 0; t < n; ++t) {
+    for (int j = 0; j < heads_; ++j) {
+      float* pe = full + static_cast<size_t>(t) * q_width + j * qk + nope_;
+      rope_.ApplyUnchecked(static_cast<int>(positions[t]), pe);
+      std::copy(pe, pe + kRopeDim, out + static_cast<size_t>(t) * out_width + j * kernels::kHeadDimQK + kLatentRank);
+    }
+  }
+  // One rounding for both parts: the absorbed query (the kernel reads model-dtype q) and the
+  // roped q_pe (the model's RoPE output is a model-dtype tensor).
+  const size_t count = static_cast<size_t>(n) * out_width;
+  for (size_t i = 0; i < count; ++i) q[i] = kernels::FloatToHalf(dtype_, out[i]);
+}
+
+absl::Status CpuLayerMath::LatentRows(absl::Span<const uint16_t> x, absl::Span<const int64_t> positions,
+                                      absl::Span<uint16_t> rows) {
+  if (absl::Status s = CheckTokens(x.size(), positions, rows.size(), kernels::kHeadDimQK, "rows"); !s.ok()) return s;
+  LatentRowsFloat(HiddenAsFloat(x), positions, rows.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuLayerMath::LatentRows(absl::Span<const float> x, absl::Span<const int64_t> positions,
+                                      absl::Span<uint16_t> rows) {
+  if (absl::Status s = CheckTokens(x.size(), positions, rows.size(), kernels::kHeadDimQK, "rows"); !s.ok()) return s;
+  LatentRowsFloat(x.data(), positions, rows.data());
+  return absl::OkStatus();
+}
+
+void CpuLayerMath::LatentRowsFloat(const float* x, absl::Span<const int64_t> positions, uint16_t* rows) {
+  const int n = static_cast<int>(positions.size());
+  if (n == 0) return;
+  constexpr int kRow = kernels::kHeadDimQK;
+  float* kv = Grow(kv_, static_cast<size_t>(n) * kRow);
+  Linear(x, n, kv_a_, kv);                        // [c | k_pe], rounded
+  RmsNorm(kv, n, kLatentRank, kRow, kv_a_norm_);  // c only; k_pe is not normalised
+  for (int t = 0; t < n; ++t) rope_.ApplyUnchecked(static_cast<int>(positions[t]), kv + t * kRow + kLatentRank);
+  // c is already in the model dtype; this rounds the roped k_pe.
+  const size_t count = static_cast<size_t>(n) * kRow;
+  for (size_t i = 0; i < count; ++i) rows[i] = kernels::FloatToHalf(dtype_, kv[i]);
+}
+
+absl::Status CpuLayerMath::OutputInto(int n, absl::Span<const uint16_t> latent_out, size_t out_size,
+                                      const char* out_name) {
+  const size_t lat_width = static_cast<size_t>(heads_) * kLatentRank;
+  if (n < 0 || static_cast<size_t>(n) > INT32_MAX / (lat_width + hidden_)) {
+    return absl::InvalidArgumentError(absl::StrCat("n: expected a token count >= 0, got ", n));
+  }
+  if (latent_out.size() != n * lat_width) {
+    return absl::InvalidArgumentError(absl::StrCat("latent_out: expected ", n, " x ", heads_, " heads x ", kLatentRank,
+                                                   " = ", n * lat_width, " values, got ", latent_out.size()));
+  }
+  if (out_size != static_cast<size_t>(n) * hidden_) {
+    return absl::InvalidArgumentError(absl::StrCat(out_name, ": expected ", n, " x hidden_size ", hidden_, " = ",
+                                                   static_cast<size_t>(n) * hidden_, " values, got ", out_size));
+  }
+  if (n == 0) return absl::OkStatus();
+  float* lat = Grow(latent_, latent_out.size());
+  for (size_t i = 0; i < latent_out.size(); ++i) lat[i] = kernels::HalfToFloat(dtype_, latent_out[i]);
+  const int o_width = heads_ * v_dim_;
+  float* o = Grow(o_, static_cast<size_t>(n) * o_width);
+  // o_h [n, v] = latent_out_h [n, 512] . W_UV_h^T ([v, 512]); the model's attn_output (softmax
+  // times v, then the heads concatenated) is a model-dtype tensor, hence the rounding.
+  for (int j = 0; j < heads_; ++j) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v_dim_, kLatentRank, 1.0f,
+                lat + static_cast<size_t>(j) * kLatentRank, heads_ * kLatentRank,
+                w_uv_.data() + static_cast<size_t>(j) * v_dim_ * kLatentRank, kLatentRank, 0.0f, o + j * v_dim_,
+                o_width);
+  }
+  Round(o, static_cast<size_t>(n) * o_width);
+  float* out = Grow(out_, static_cast<size_t>(n) * hidden_);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, o_proj_.rows, o_proj_.cols, 1.0f, o, o_proj_.cols,
+              o_proj_.values.data(), o_proj_.cols, 0.0f, out, o_proj_.rows);
+  return absl::OkStatus();
+}
+
+absl::Status CpuLayerMath::Output(int n, absl::Span<const uint16_t> latent_out, absl::Span<uint16_t> out) {
+  if (absl::Status s = OutputInto(n, latent_out, out.size(), "out"); !s.ok()) return s;
+  // o_proj is a Linear: its output is rounded to the model dtype.
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::FloatToHalf(dtype_, out_[i]);
+  return absl::OkStatus();
+}
+
+absl::Status CpuLayerMath::OutputFloat(int n, absl::Span<const uint16_t> latent_out, absl::Span<float> out) {
+  if (absl::Status s = OutputInto(n, latent_out, out.size(), "out"); !s.ok()) return s;
+  std::copy(out_.begin(), out_.begin() + out.size(), out.begin());
+  return absl::OkStatus();
+}
+
+}  // namespace latentd::engine::layer
