@@ -26,6 +26,10 @@ struct BatchEntry {
   kv::AppendSlot slots[kMaxAppendSlots];
   int num_slots = 0;
   absl::Status status;           // set by the backend if this entry failed alone
+  // Layer steps: the RoPE position of the first token, and (when the step left it to the
+  // engine) the layer's length it was computed from, which staging checks.
+  int64_t position = 0;
+  int64_t expect_length = -1;
 };
 
 struct Batch {

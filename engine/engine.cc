@@ -19,6 +19,8 @@
 #include "engine/batch.h"
 #include "engine/completion_pool.h"
 #include "engine/fair_queue.h"
+#include "engine/layer_stage.h"
+#include "engine/model/config.h"
 #include "engine/metrics.h"
 #include "engine/step_queue.h"
 #include "kernels/params.h"
@@ -38,9 +40,10 @@ constexpr int kIdleReleaseBatch = 256;
 
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(const EngineOptions& o, std::unique_ptr<AttentionBackend> backend)
+  EngineImpl(const EngineOptions& o, std::unique_ptr<AttentionBackend> backend, std::unique_ptr<LayerStage> layer)
       : o_(o),
         backend_(std::move(backend)),
+        layer_(std::move(layer)),
         kv_(backend_->kv_config(), backend_->storage()),
         queue_(o.max_queue),
         fair_(o.max_queue),
@@ -74,6 +77,12 @@ class EngineImpl final : public Engine {
     info.max_batch_size = o_.max_batch_size;
     info.kv_dtype = backend_->kv_config().kv_dtype;
     info.kv_bytes_per_token = backend_->kv_config().token_bytes();
+    if (layer_ != nullptr) {
+      info.layer_api = true;
+      info.hidden_size = layer_->hidden_size();
+      info.max_positions = layer_->max_positions();
+      info.weight_bytes = layer_->weight_bytes();
+    }
     absl::MutexLock lock(&kv_mu_);
     const auto stats = kv_.GetStats();
     info.total_pages = stats.total_pages;
@@ -115,10 +124,53 @@ class EngineImpl final : public Engine {
   }
 
   absl::StatusOr<SequenceLengths> AppendKv(absl::string_view id, int layer, absl::string_view kv) override {
+    if (absl::Status st = CheckAppendTarget(id, layer); !st.ok()) return st;
+    return AppendRows(id, layer, kv, /*expect_length=*/-1);
+  }
+
+  absl::StatusOr<SequenceLengths> AppendHidden(absl::string_view id, int layer, absl::string_view hidden) override {
+    if (layer_ == nullptr) return NoLayerApi();
+    if (absl::Status st = CheckAppendTarget(id, layer); !st.ok()) return st;
+    const size_t row = size_t(layer_->hidden_size()) * kernels::DTypeBytes(o_.model.dtype);
+    if (hidden.empty() || hidden.size() % row != 0)
+      return absl::InvalidArgumentError(absl::StrCat("hidden: expected a positive multiple of ", row,
+                                                     " bytes ([n, hidden_size=", layer_->hidden_size(), "] ",
+                                                     kernels::DTypeName(o_.model.dtype), "), got ", hidden.size()));
+    const int64_t n = static_cast<int64_t>(hidden.size() / row);
+    int64_t length = 0;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      const kv::Sequence* seq = kv_.Find(id);
+      if (seq == nullptr) return NotFound(id);
+      length = kv_.Length(seq, layer);
+    }
+    if (length + n > layer_->max_positions())
+      return absl::OutOfRangeError(absl::StrCat("hidden: ", n, " tokens after ", length, " would pass the ",
+                                                layer_->max_positions(), " positions served (--max_positions)"));
+    // The GEMMs run without the KV lock; the append then checks that the layer is still
+    // as long as the positions assumed.
+    absl::StatusOr<std::string> rows = layer_->Rows(layer, hidden, length);
+    if (!rows.ok()) return rows.status();
+    return AppendRows(id, layer, *rows, length);
+  }
+
+  absl::Status CheckAppendTarget(absl::string_view id, int layer) const {
     if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
     if (layer < 0 || layer >= o_.model.num_layers)
       return absl::InvalidArgumentError(
           absl::StrCat("layer: expected 0..", o_.model.num_layers - 1, ", got ", layer));
+    return absl::OkStatus();
+  }
+
+  static absl::Status NoLayerApi() {
+    return absl::FailedPreconditionError(
+        "hidden: this daemon serves the kernel-level API only (start it with --model_dir holding the checkpoint's "
+        "attention weights)");
+  }
+
+  // AppendKv's copy; with expect_length >= 0, ABORTED unless the layer has that length.
+  absl::StatusOr<SequenceLengths> AppendRows(absl::string_view id, int layer, absl::string_view kv,
+                                             int64_t expect_length) {
     const size_t row = RowBytes();
     if (kv.empty() || kv.size() % row != 0)
       return absl::InvalidArgumentError(absl::StrCat("kv: expected a positive multiple of ", row,
@@ -147,6 +199,9 @@ class EngineImpl final : public Engine {
         if (seq == nullptr) return NotFound(id);
         serial = kv_.Serial(seq);
         start_length = kv_.Length(seq, layer);
+        if (expect_length >= 0 && start_length != expect_length)
+          return absl::AbortedError(absl::StrCat("hidden: layer ", layer, " grew from ", expect_length, " to ",
+                                                 start_length, " rows while its rows were computed; retry"));
         const int64_t total_pages = backend_->kv_config().num_pages;
         if ((start_length + n + kernels::kPageSize - 1) / kernels::kPageSize > total_pages)
           return absl::InvalidArgumentError(absl::StrCat("kv: ", n, " rows would make layer ", layer, " ",
@@ -360,6 +415,7 @@ class EngineImpl final : public Engine {
       return absl::InvalidArgumentError(absl::StrCat("layer: expected 0..", m.num_layers - 1, ", got ", s.layer));
     if (s.s_q < 1 || s.s_q > o_.max_s_q)
       return absl::InvalidArgumentError(absl::StrCat("q: expected 1..", o_.max_s_q, " query tokens, got ", s.s_q));
+    if (IsLayerStep(s)) return ValidateLayerStep(s);
     const size_t q_bytes = size_t(s.s_q) * m.num_heads_q * kHeadDimQK * 2;
     if (s.q.bytes() != q_bytes)
       return absl::InvalidArgumentError(absl::StrCat("q: expected ", q_bytes, " bytes ([s_q=", s.s_q,
@@ -376,6 +432,56 @@ class EngineImpl final : public Engine {
     if (s.q.kind() != s.kv.kind() || s.out.kind() != s.lse.kind())
       return absl::InternalError("decode step with q and kv, or out and lse, in different kinds of memory");
     return absl::OkStatus();
+  }
+
+  absl::Status ValidateLayerStep(const DecodeStep& s) const {
+    if (layer_ == nullptr) return NoLayerApi();
+    if (s.q.set() || s.kv.set() || s.out.set() || s.lse.set())
+      return absl::InvalidArgumentError("q: a layer step (hidden set) carries no q, kv, out or lse");
+    const size_t bytes = size_t(s.s_q) * layer_->hidden_size() * kernels::DTypeBytes(o_.model.dtype);
+    if (s.hidden.bytes() != bytes)
+      return absl::InvalidArgumentError(absl::StrCat("hidden: expected ", bytes, " bytes ([s_q=", s.s_q,
+                                                     ", hidden_size=", layer_->hidden_size(), "] ",
+                                                     kernels::DTypeName(o_.model.dtype), "), got ", s.hidden.bytes()));
+    // The layer math reads and writes these on the host (a CUDA region is for kernel-level steps).
+    if (!s.hidden.on_host() || !s.layer_out.on_host() || s.layer_out.bytes() != bytes || s.callback == nullptr)
+      return absl::InternalError("layer step without host hidden, layer_out or callback");
+    if (s.position < -1 || s.position > int64_t{layer_->max_positions()} - s.s_q)
+      return absl::OutOfRangeError(absl::StrCat("position: expected 0..", layer_->max_positions() - s.s_q,
+                                                " for ", s.s_q, " tokens (--max_positions ",
+                                                layer_->max_positions(), "), got ", s.position));
+    return absl::OkStatus();
+  }
+
+  // Layer steps' positions, under the KV lock: the given one, or the layer's length now
+  // (which Stage checks again). Then their queries and rows, without the lock.
+  void PrepareLayerSteps(Batch& batch) {
+    bool any = false;
+    for (auto& e : batch.entries) any |= IsLayerStep(*e.step);
+    if (!any) return;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      for (auto& e : batch.entries) {
+        DecodeStep* s = e.step;
+        if (!IsLayerStep(*s)) continue;
+        e.expect_length = -1;
+        if (s->position >= 0) {
+          e.position = s->position;
+          continue;
+        }
+        const kv::Sequence* seq = kv_.Find(s->sequence_id);
+        if (seq == nullptr) {
+          e.status = NotFound(s->sequence_id);
+          continue;
+        }
+        e.position = e.expect_length = kv_.Length(seq, s->layer);
+        if (e.position + s->s_q > layer_->max_positions())
+          e.status = absl::OutOfRangeError(absl::StrCat("position: layer ", s->layer, " holds ", e.position,
+                                                        " rows; ", s->s_q, " more pass the ", layer_->max_positions(),
+                                                        " positions served (--max_positions)"));
+      }
+    }
+    layer_->Prepare(batch);
   }
 
   // Hands a finished step to the completion threads, keyed by flow (a stream) so one
@@ -477,6 +583,7 @@ class EngineImpl final : public Engine {
     batch.kv_read = kv_.OpenRead();
     const int64_t num_pages = backend_->kv_config().num_pages;
     for (auto& e : batch.entries) {
+      if (!e.status.ok()) continue;  // a layer step whose queries could not be made
       DecodeStep* s = e.step;
       kv::Sequence* seq = e.seq = kv_.Find(s->sequence_id);
       if (seq == nullptr) {
@@ -490,6 +597,13 @@ class EngineImpl final : public Engine {
       }
       kv_.Touch(seq, now);
       e.seqlen = kv_.Length(seq, s->layer);
+      if (e.expect_length >= 0 && e.seqlen - s->s_q != e.expect_length) {
+        // Rows were uploaded to the layer since its positions were taken: the rotary
+        // embedding would be wrong for these rows.
+        e.status = absl::AbortedError(absl::StrCat("position: layer ", s->layer, " grew from ", e.expect_length,
+                                                   " to ", e.seqlen - s->s_q, " rows while this step was prepared"));
+        continue;
+      }
       e.table_pages = static_cast<int>((e.seqlen + kernels::kPageSize - 1) / kernels::kPageSize);
       e.page_offset = int64_t{s->layer} * num_pages;
     }
@@ -538,6 +652,7 @@ class EngineImpl final : public Engine {
 
   void Finish(Batch& batch) {
     backend_->Finish(batch);
+    if (layer_ != nullptr) layer_->Complete(batch);
     const absl::Time finished = absl::Now();
     for (auto& e : batch.entries) {
       e.step->launched_at = batch.launched_at;
@@ -601,6 +716,7 @@ class EngineImpl final : public Engine {
         inflight = nullptr;
       }
       if (launched) {
+        if (layer_ != nullptr) PrepareLayerSteps(batch);
         Stage(batch);
         batch.launched_at = absl::Now();
         backend_->Launch(batch);
@@ -623,6 +739,7 @@ class EngineImpl final : public Engine {
 
   const EngineOptions o_;
   std::unique_ptr<AttentionBackend> backend_;
+  std::unique_ptr<LayerStage> layer_;  // null: the kernel-level API only
 
   mutable absl::Mutex kv_mu_;
   kv::KvCacheManager kv_ ABSL_GUARDED_BY(kv_mu_);
@@ -671,6 +788,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError(absl::StrCat("num_heads_q: expected a multiple of num_heads_kv=",
                                                    m.num_heads_kv, " with at most ", kernels::kMaxHeadsPerKvHead,
                                                    " query heads per KV head, got ", m.num_heads_q));
+  if (o.layer_config != nullptr) {
+    // The layer API computes the queries, so the scale is the model's, YaRN mscale included.
+    const float scale = static_cast<float>(model::SoftmaxScale(*o.layer_config));
+    if (o.model.softmax_scale > 0.f && std::fabs(o.model.softmax_scale - scale) > 1e-6f * scale)
+      return absl::InvalidArgumentError(absl::StrCat("softmax_scale: expected config.json's ", scale, " for the layer API, got ",
+                                                     o.model.softmax_scale));
+    o.model.softmax_scale = scale;
+  }
   if (o.model.softmax_scale <= 0.f) o.model.softmax_scale = 1.0f / std::sqrt(float(kHeadDimQK));
   if (o.max_batch_size < 1) return absl::InvalidArgumentError("max_batch_size: expected >= 1");
   if (o.max_s_q < 1 || o.max_s_q > 64) return absl::InvalidArgumentError("max_s_q: expected 1..64");
@@ -678,9 +803,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (o.max_batch_tokens < o.max_s_q)
     return absl::InvalidArgumentError("max_batch_tokens: expected >= max_s_q");
   if (o.max_queue < 1) return absl::InvalidArgumentError("max_queue: expected >= 1");
+  std::unique_ptr<LayerStage> layer;
+  if (o.layer_weights != nullptr || o.layer_config != nullptr) {
+    auto st = LayerStage::Create(o);
+    if (!st.ok()) return st.status();
+    layer = *std::move(st);
+  }
   auto backend = MakeBackend(o.backend, o);  // BackendOptions is EngineOptions
   if (!backend.ok()) return backend.status();
-  return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend)));
+  return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend), std::move(layer)));
 }
 
 }  // namespace latentd::engine

@@ -42,6 +42,14 @@ class Engine {
   // cache stays consistent. NOT_FOUND if the sequence is released meanwhile.
   virtual absl::StatusOr<SequenceLengths> AppendKv(absl::string_view sequence_id, int layer,
                                                    absl::string_view kv) = 0;
+  // The layer API (EngineOptions::layer_weights): appends the latent rows of
+  // n = hidden.size() / (hidden_size * 2) hidden states, computed at positions
+  // length .. length + n - 1 of the layer. As AppendKv otherwise; ABORTED when rows
+  // were appended to the layer meanwhile, FAILED_PRECONDITION without layer weights.
+  virtual absl::StatusOr<SequenceLengths> AppendHidden(absl::string_view sequence_id, int layer,
+                                                       absl::string_view hidden) {
+    return absl::FailedPreconditionError("hidden: this engine serves the kernel-level API only");
+  }
   // RESOURCE_EXHAUSTED at max_sequences (a fork is a sequence like any other).
   virtual absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id,
                                                    absl::string_view new_sequence_id) = 0;

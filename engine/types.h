@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,11 @@
 #include "kernels/params.h"
 
 namespace latentd::engine {
+
+namespace model {
+struct ModelConfig;       // engine/model/config.h
+struct AttentionWeights;  // engine/model/weights.h
+}  // namespace model
 
 enum class BackendKind { kAuto, kCuda, kCpu };
 
@@ -73,6 +79,16 @@ struct EngineOptions {
   // anyway (queueing a message's steps takes microseconds; this bounds a submitter
   // that was descheduled).
   absl::Duration batch_submit_wait = absl::Milliseconds(2);
+  // The attention layer as a service (docs/mla-layer-server.md): the checkpoint's
+  // config.json and this rank's attention weights of every layer. With both set, steps
+  // and uploads may carry hidden states (DecodeStep::hidden, AppendHidden); the model
+  // above must then match them (num_layers, num_heads_q = the rank's heads, h_kv 1,
+  // dtype, softmax_scale). Null: the kernel-level API only.
+  std::shared_ptr<const model::ModelConfig> layer_config;
+  std::shared_ptr<const model::AttentionWeights> layer_weights;
+  // Positions [0, layer_max_positions) get a rotary table entry; 0 = config.json's
+  // max_position_embeddings (32768 when absent).
+  int layer_max_positions = 0;
 };
 
 struct EngineInfo {
@@ -83,6 +99,12 @@ struct EngineInfo {
   int max_batch_size = 0;
   kernels::KvDType kv_dtype = kernels::KvDType::kModel;  // name: kernels::KvDTypeName
   int64_t kv_bytes_per_token = 0;  // pool bytes one token takes, every layer and KV head
+  // The layer API (EngineOptions::layer_weights): whether it is served, the model's
+  // hidden size, and the bytes its weights take where the layer math holds them.
+  bool layer_api = false;
+  int hidden_size = 0;
+  int max_positions = 0;
+  int64_t weight_bytes = 0;
 };
 
 struct SequenceLengths {
@@ -151,6 +173,13 @@ struct DecodeStep {
   TensorLocation kv;   // [s_q, h_kv, 576] the new tokens' latent rows
   TensorLocation out;  // [s_q, h_q, 512] model dtype, written on success
   TensorLocation lse;  // [h_q, s_q] float32
+  // A layer step (the attention layer as a service): the tokens' hidden states instead
+  // of q and kv, and the layer's output instead of out and lse. The caller leaves q, kv,
+  // out and lse unset; the engine points them at its own buffers while the step runs
+  // and unsets them again before StepDone.
+  TensorLocation hidden;     // [s_q, hidden_size] model dtype
+  TensorLocation layer_out;  // [s_q, hidden_size] model dtype, written on success
+  int64_t position = -1;     // RoPE position of the first token; -1: the layer's length
   absl::Time deadline = absl::InfiniteFuture();
   const std::atomic<bool>* cancelled = nullptr;  // caller gone: drop if not launched
   StepCallback* callback = nullptr;
@@ -172,6 +201,7 @@ struct DecodeStep {
 
 // Whether the device reads the step's q and kv in place, and writes its out and lse in
 // place (no staging copy on the host).
+inline bool IsLayerStep(const DecodeStep& s) { return s.hidden.set(); }
 inline bool InputsDeviceDirect(const DecodeStep& s) { return s.q.device_direct() && s.kv.device_direct(); }
 inline bool OutputsDeviceDirect(const DecodeStep& s) { return s.out.device_direct() && s.lse.device_direct(); }
 

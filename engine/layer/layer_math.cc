@@ -77,10 +77,16 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
     return absl::InvalidArgumentError(
         absl::StrCat("rms_norm_eps: expected a finite number >= 0, got ", config.rms_norm_eps));
   }
-  absl::StatusOr<Rope> rope = Rope::Create(RopeConfig::FromModel(config), options.max_positions);
-  if (!rope.ok()) return rope.status();
+  std::shared_ptr<const Rope> table = options.rope;
+  if (table == nullptr) {
+    absl::StatusOr<Rope> rope = Rope::Create(RopeConfig::FromModel(config), options.max_positions);
+    if (!rope.ok()) return rope.status();
+    table = std::make_shared<const Rope>(*std::move(rope));
+  }
 
-  std::unique_ptr<CpuLayerMath> m(new CpuLayerMath(*std::move(rope)));
+  std::unique_ptr<CpuLayerMath> m(new CpuLayerMath(std::move(table)));
+  auto shared = std::make_shared<Weights>();
+  Weights& w = *shared;
   const DType dt = config.dtype;
   const int64_t H = config.hidden_size, h = options.num_heads, nope = config.qk_nope_head_dim, v = config.v_head_dim,
                 qk = nope + kRopeDim;
@@ -102,15 +108,15 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
   if (m->has_q_lora_) {
     const int64_t rq = *config.q_lora_rank;
     m->q_rank_ = static_cast<int>(rq);
-    checks.push_back(matrix(weights.q_a_proj, "q_a_proj", rq, H, m->q_a_));
-    checks.push_back(ToFloat(weights.q_a_layernorm, "q_a_layernorm", {rq}, dt, m->q_a_norm_));
-    checks.push_back(matrix(weights.q_b_proj, "q_b_proj", h * qk, rq, m->q_b_));
+    checks.push_back(matrix(weights.q_a_proj, "q_a_proj", rq, H, w.q_a));
+    checks.push_back(ToFloat(weights.q_a_layernorm, "q_a_layernorm", {rq}, dt, w.q_a_norm));
+    checks.push_back(matrix(weights.q_b_proj, "q_b_proj", h * qk, rq, w.q_b));
   } else {
-    checks.push_back(matrix(weights.q_proj, "q_proj", h * qk, H, m->q_proj_));
+    checks.push_back(matrix(weights.q_proj, "q_proj", h * qk, H, w.q_proj));
   }
-  checks.push_back(matrix(weights.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", kLatentRank + kRopeDim, H, m->kv_a_));
-  checks.push_back(ToFloat(weights.kv_a_layernorm, "kv_a_layernorm", {kLatentRank}, dt, m->kv_a_norm_));
-  checks.push_back(matrix(weights.o_proj, "o_proj", H, h * v, m->o_proj_));
+  checks.push_back(matrix(weights.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", kLatentRank + kRopeDim, H, w.kv_a));
+  checks.push_back(ToFloat(weights.kv_a_layernorm, "kv_a_layernorm", {kLatentRank}, dt, w.kv_a_norm));
+  checks.push_back(matrix(weights.o_proj, "o_proj", H, h * v, w.o_proj));
   std::vector<float> kv_b;
   checks.push_back(ToFloat(weights.kv_b_proj, "kv_b_proj", {h * (nope + v), kLatentRank}, dt, kv_b));
   for (const absl::Status& s : checks) {
@@ -119,14 +125,29 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
 
   // kv_b_proj is [h * (nope + v), 512], per head nope rows of W_UK then v rows of W_UV; both are
   // copied out contiguously so each head's GEMM reads one dense [rows, 512] block.
-  m->w_uk_.resize(static_cast<size_t>(h * nope * kLatentRank));
-  m->w_uv_.resize(static_cast<size_t>(h * v * kLatentRank));
+  w.w_uk.resize(static_cast<size_t>(h * nope * kLatentRank));
+  w.w_uv.resize(static_cast<size_t>(h * v * kLatentRank));
   for (int64_t j = 0; j < h; ++j) {
     const float* head = kv_b.data() + j * (nope + v) * kLatentRank;
-    std::copy(head, head + nope * kLatentRank, m->w_uk_.begin() + j * nope * kLatentRank);
-    std::copy(head + nope * kLatentRank, head + (nope + v) * kLatentRank, m->w_uv_.begin() + j * v * kLatentRank);
+    std::copy(head, head + nope * kLatentRank, w.w_uk.begin() + j * nope * kLatentRank);
+    std::copy(head + nope * kLatentRank, head + (nope + v) * kLatentRank, w.w_uv.begin() + j * v * kLatentRank);
   }
+  m->w_ = std::move(shared);
   return m;
+}
+
+std::unique_ptr<CpuLayerMath> CpuLayerMath::Clone() const {
+  std::unique_ptr<CpuLayerMath> c(new CpuLayerMath(rope_));
+  c->dtype_ = dtype_;
+  c->hidden_ = hidden_;
+  c->heads_ = heads_;
+  c->q_rank_ = q_rank_;
+  c->nope_ = nope_;
+  c->v_dim_ = v_dim_;
+  c->eps_ = eps_;
+  c->has_q_lora_ = has_q_lora_;
+  c->w_ = w_;
+  return c;
 }
 
 void CpuLayerMath::Round(float* v, size_t count) const {
@@ -157,6 +178,12 @@ void CpuLayerMath::RmsNorm(float* v, int n, int width, int64_t stride, const std
   }
 }
 
+int64_t CpuLayerMath::weight_bytes() const {
+  size_t n = w_->q_a_norm.size() + w_->kv_a_norm.size() + w_->w_uk.size() + w_->w_uv.size();
+  for (const Matrix* m : {&w_->q_a, &w_->q_b, &w_->q_proj, &w_->kv_a, &w_->o_proj}) n += m->values.size();
+  return static_cast<int64_t>(n * sizeof(float));
+}
+
 absl::Status CpuLayerMath::CheckTokens(size_t x_size, absl::Span<const int64_t> positions, size_t out_size,
                                        size_t out_width, const char* out_name) const {
   const size_t n = positions.size();
@@ -169,9 +196,9 @@ absl::Status CpuLayerMath::CheckTokens(size_t x_size, absl::Span<const int64_t> 
         absl::StrCat(out_name, ": expected ", n, " x ", out_width, " = ", n * out_width, " values, got ", out_size));
   }
   for (size_t t = 0; t < n; ++t) {
-    if (positions[t] < 0 || positions[t] >= rope_.max_positions()) {
+    if (positions[t] < 0 || positions[t] >= rope_->max_positions()) {
       return absl::OutOfRangeError(absl::StrCat("positions[", t, "] = ", positions[t],
-                                                ": outside [0, max_positions = ", rope_.max_positions(), ")"));
+                                                ": outside [0, max_positions = ", rope_->max_positions(), ")"));
     }
   }
   if (n > static_cast<size_t>(INT32_MAX / (heads_ * kernels::kHeadDimQK + hidden_))) {
@@ -210,11 +237,11 @@ void CpuLayerMath::QueriesFloat(const float* x, absl::Span<const int64_t> positi
   float* full = Grow(q_full_, static_cast<size_t>(n) * q_width);
   if (has_q_lora_) {
     float* a = Grow(q_a_out_, static_cast<size_t>(n) * q_rank_);
-    Linear(x, n, q_a_, a);
-    RmsNorm(a, n, q_rank_, q_rank_, q_a_norm_);
-    Linear(a, n, q_b_, full);
+    Linear(x, n, w_->q_a, a);
+    RmsNorm(a, n, q_rank_, q_rank_, w_->q_a_norm);
+    Linear(a, n, w_->q_b, full);
   } else {
-    Linear(x, n, q_proj_, full);
+    Linear(x, n, w_->q_proj, full);
   }
 
   const int out_width = heads_ * kernels::kHeadDimQK;
@@ -223,13 +250,13 @@ void CpuLayerMath::QueriesFloat(const float* x, absl::Span<const int64_t> positi
   // in place from q (row stride h * qk) and written in place into the output rows.
   for (int j = 0; j < heads_; ++j) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, kLatentRank, nope_, 1.0f, full + j * qk, q_width,
-                w_uk_.data() + static_cast<size_t>(j) * nope_ * kLatentRank, kLatentRank, 0.0f,
+                w_->w_uk.data() + static_cast<size_t>(j) * nope_ * kLatentRank, kLatentRank, 0.0f,
                 out + j * kernels::kHeadDimQK, out_width);
   }
   for (int t = 0; t < n; ++t) {
     for (int j = 0; j < heads_; ++j) {
       float* pe = full + static_cast<size_t>(t) * q_width + j * qk + nope_;
-      rope_.ApplyUnchecked(static_cast<int>(positions[t]), pe);
+      rope_->ApplyUnchecked(static_cast<int>(positions[t]), pe);
       std::copy(pe, pe + kRopeDim, out + static_cast<size_t>(t) * out_width + j * kernels::kHeadDimQK + kLatentRank);
     }
   }
@@ -258,9 +285,9 @@ void CpuLayerMath::LatentRowsFloat(const float* x, absl::Span<const int64_t> pos
   if (n == 0) return;
   constexpr int kRow = kernels::kHeadDimQK;
   float* kv = Grow(kv_, static_cast<size_t>(n) * kRow);
-  Linear(x, n, kv_a_, kv);                        // [c | k_pe], rounded
-  RmsNorm(kv, n, kLatentRank, kRow, kv_a_norm_);  // c only; k_pe is not normalised
-  for (int t = 0; t < n; ++t) rope_.ApplyUnchecked(static_cast<int>(positions[t]), kv + t * kRow + kLatentRank);
+  Linear(x, n, w_->kv_a, kv);                        // [c | k_pe], rounded
+  RmsNorm(kv, n, kLatentRank, kRow, w_->kv_a_norm);  // c only; k_pe is not normalised
+  for (int t = 0; t < n; ++t) rope_->ApplyUnchecked(static_cast<int>(positions[t]), kv + t * kRow + kLatentRank);
   // c is already in the model dtype; this rounds the roped k_pe.
   const size_t count = static_cast<size_t>(n) * kRow;
   for (size_t i = 0; i < count; ++i) rows[i] = kernels::FloatToHalf(dtype_, kv[i]);
@@ -290,13 +317,13 @@ absl::Status CpuLayerMath::OutputInto(int n, absl::Span<const uint16_t> latent_o
   for (int j = 0; j < heads_; ++j) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v_dim_, kLatentRank, 1.0f,
                 lat + static_cast<size_t>(j) * kLatentRank, heads_ * kLatentRank,
-                w_uv_.data() + static_cast<size_t>(j) * v_dim_ * kLatentRank, kLatentRank, 0.0f, o + j * v_dim_,
+                w_->w_uv.data() + static_cast<size_t>(j) * v_dim_ * kLatentRank, kLatentRank, 0.0f, o + j * v_dim_,
                 o_width);
   }
   Round(o, static_cast<size_t>(n) * o_width);
   float* out = Grow(out_, static_cast<size_t>(n) * hidden_);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, o_proj_.rows, o_proj_.cols, 1.0f, o, o_proj_.cols,
-              o_proj_.values.data(), o_proj_.cols, 0.0f, out, o_proj_.rows);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, w_->o_proj.rows, w_->o_proj.cols, 1.0f, o, w_->o_proj.cols,
+              w_->o_proj.values.data(), w_->o_proj.cols, 0.0f, out, w_->o_proj.rows);
   return absl::OkStatus();
 }
 

@@ -24,13 +24,17 @@ inline constexpr int kRopeDim = kernels::kHeadDimQK - kernels::kHeadDimV;  // qk
 struct LayerMathOptions {
   int num_heads = 0;      // this rank's heads (AttentionWeights::num_heads)
   int max_positions = 0;  // positions [0, max_positions) have a rotary table entry
+  // A rotary table to share (every layer of a model has the same one; DeepSeek-V3's is
+  // 42 MB): used instead of building one when set, and then max_positions is its own.
+  std::shared_ptr<const Rope> rope;
 };
 
 // One layer's projections in float32 through OpenBLAS's sgemm. The weights are converted to
 // float32 once (twice the bytes of the checkpoint's bf16/fp16) and W_UK / W_UV are split out of
 // kv_b_proj at construction; calls then reuse scratch buffers that only grow with the batch.
 // Not thread-safe: one call at a time per object (sgemm itself runs on OpenBLAS's threads,
-// OPENBLAS_NUM_THREADS of them).
+// OPENBLAS_NUM_THREADS of them); Clone() gives another thread its own object over the same
+// weights.
 //
 // Every value crossing a call boundary is in the model dtype (bf16 or fp16 bits) except the
 // float overloads' hidden states (used as given) and OutputFloat's result. Inside, values are
@@ -53,7 +57,13 @@ class CpuLayerMath {
   int hidden_size() const { return hidden_; }
   int num_heads() const { return heads_; }
   kernels::DType dtype() const { return dtype_; }
-  const Rope& rope() const { return rope_; }
+  const Rope& rope() const { return *rope_; }
+  // Float32 bytes the weights take (shared by every clone).
+  int64_t weight_bytes() const;
+
+  // Another CpuLayerMath over the same weights and rotary table (shared, read-only) with
+  // scratch of its own: one per thread that calls concurrently.
+  std::unique_ptr<CpuLayerMath> Clone() const;
 
   // The decode kernel's queries for n = positions.size() tokens: x [n, hidden] -> q [n, h, 576],
   // per head [q_nope . W_UK (512) | RoPE(q_pe) (64)].
@@ -79,7 +89,15 @@ class CpuLayerMath {
     std::vector<float> values;
   };
 
-  explicit CpuLayerMath(Rope rope) : rope_(std::move(rope)) {}
+  // The weights, converted once and shared by clones.
+  struct Weights {
+    Matrix q_a, q_b, q_proj, kv_a, o_proj;
+    std::vector<float> q_a_norm, kv_a_norm;
+    std::vector<float> w_uk;  // [h, nope, 512]: kv_b_proj rows of each head's k_nope
+    std::vector<float> w_uv;  // [h, v, 512]: kv_b_proj rows of each head's v
+  };
+
+  explicit CpuLayerMath(std::shared_ptr<const Rope> rope) : rope_(std::move(rope)) {}
 
   absl::Status CheckTokens(size_t x_size, absl::Span<const int64_t> positions, size_t out_size, size_t out_width,
                            const char* out_name) const;
@@ -98,12 +116,8 @@ class CpuLayerMath {
   int hidden_ = 0, heads_ = 0, q_rank_ = 0, nope_ = 0, v_dim_ = 0;
   float eps_ = 0;
   bool has_q_lora_ = false;
-  Rope rope_;
-
-  Matrix q_a_, q_b_, q_proj_, kv_a_, o_proj_;
-  std::vector<float> q_a_norm_, kv_a_norm_;
-  std::vector<float> w_uk_;  // [h, nope, 512]: kv_b_proj rows of each head's k_nope
-  std::vector<float> w_uv_;  // [h, v, 512]: kv_b_proj rows of each head's v
+  std::shared_ptr<const Rope> rope_;
+  std::shared_ptr<const Weights> w_;
 
   // Scratch, grown to the largest batch seen.
   std::vector<float> x_;        // [n, hidden] hidden states converted to float

@@ -180,6 +180,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, const 
   }
   LATENTD_ASSIGN(c.v_head_dim, r.Dim("v_head_dim"));
   LATENTD_ASSIGN(c.num_hidden_layers, r.Dim("num_hidden_layers"));
+  if (r.Find("max_position_embeddings") != nullptr) {
+    LATENTD_ASSIGN(c.max_position_embeddings, r.Int("max_position_embeddings", 1, int64_t{1} << 40));
+  }
   LATENTD_ASSIGN(c.rms_norm_eps, r.Number("rms_norm_eps", true));
   LATENTD_ASSIGN(c.rope_theta, r.Number("rope_theta", true));
   if (const Json* ri = r.Find("rope_interleave"); ri != nullptr) {

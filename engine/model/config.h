@@ -42,6 +42,7 @@ struct ModelConfig {
   int qk_rope_head_dim = 0;
   int v_head_dim = 0;
   int num_hidden_layers = 0;
+  int64_t max_position_embeddings = 0;  // 0: absent from config.json
   double rms_norm_eps = 0;
   double rope_theta = 0;
   bool rope_interleave = true;       // absent in DeepSeek's own configs, which interleave
