@@ -46,8 +46,16 @@ struct SqEntry {
   uint64_t q_offset, kv_offset, out_offset, lse_offset;
   char sequence_id[kMaxSequenceId];
   uint32_t trace;              // 1: the completion carries the step's server timestamps
-  uint8_t reserved[68];
+  // The layer API (RegionTensors.layer_step): 1 for a layer step, whose hidden states
+  // are at hidden_offset and output goes to out_offset; has_position 1 gives position.
+  uint32_t layer_step;
+  uint64_t hidden_offset;
+  int64_t position;
+  uint32_t has_position;
+  uint8_t reserved[44];
 };
+static_assert(offsetof(SqEntry, hidden_offset) == 192 && offsetof(SqEntry, has_position) == 208,
+              "no padding: the layout is a wire format");
 static_assert(sizeof(SqEntry) == 256, "submission entries are 256 bytes");
 
 // One step's result: out and lse are in the region when code is 0 (google.rpc code).

@@ -3,6 +3,7 @@
 // (protobuf would keep them: a message of tiny unknown fields grows ~8x in memory).
 #include "proto/wire.h"
 
+#include <algorithm>
 #include <climits>
 #include <utility>
 
@@ -23,14 +24,14 @@ constexpr int kLen = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
 // DecodeRequest / DecodeStep / StepResult / AppendKvRequest field numbers.
 constexpr int kRequestSteps = 1;
 constexpr int kStepRequestId = 1, kStepSequenceId = 2, kStepLayer = 3, kStepQ = 4, kStepKv = 5, kStepCausal = 6,
-              kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9;
+              kStepTimeoutMs = 7, kStepTrace = 8, kStepRegion = 9, kStepHidden = 10, kStepPosition = 11;
 constexpr int kRequestOpenRegion = 2, kResponseRegion = 2, kRegionPath = 1, kRegionBytes = 2,
               kRegionRingBytes = 3, kRegionHandoffSocket = 4, kRegionTicket = 5;
 constexpr int kRequestRingEntries = 4;
 constexpr int kRequestOpenCudaRegion = 3, kCudaHandle = 1, kCudaOffset = 2, kCudaBytes = 3;
 constexpr int kResultRequestId = 1, kResultOut = 2, kResultLse = 3, kResultCode = 4, kResultMessage = 5,
               kResultTiming = 6;
-constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3;
+constexpr int kAppendSequenceId = 1, kAppendLayer = 2, kAppendKv = 3, kAppendHidden = 4;
 
 absl::Status Malformed(const CodedInputStream& in, absl::string_view what) {
   return absl::InvalidArgumentError(
@@ -94,8 +95,29 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
   out->q->clear();
   out->kv->clear();
   out->q_raw = out->kv_raw = false;
+  out->has_hidden = out->region_layer_step = out->has_position = false;
+  out->hidden_bytes = 0;
+  out->hidden_offset = 0;
+  out->position = 0;
   return ReadFields(in, [&](int field, int type, bool* handled) {
     uint64_t v = 0;
+    if (type == kVarint && field == kStepPosition) {
+      *handled = true;
+      if (!in->ReadVarint64(&v)) return false;
+      out->has_position = true;
+      out->position = static_cast<int64_t>(v);
+      return true;
+    }
+    if (type == kLen && field == kStepHidden) {
+      // Into q's place: a layer step has no q (validation refuses both).
+      *handled = true;
+      out->has_hidden = true;
+      int64_t q_bytes = out->q_bytes;
+      const bool ok = ReadBoundedBytesTo(in, std::max(b.max_q_bytes, b.max_hidden_bytes), out->q_dst, out->q_cap,
+                                         out->q, &out->hidden_bytes, &out->q_raw);
+      out->q_bytes = q_bytes;
+      return ok;
+    }
     if (type == kVarint && (field == kStepRequestId || field == kStepLayer || field == kStepCausal ||
                             field == kStepTimeoutMs || field == kStepTrace)) {
       *handled = true;
@@ -114,10 +136,16 @@ bool ReadStep(CodedInputStream* in, const StepBounds& b, StepFields* out) {
       const CodedInputStream::Limit limit = in->PushLimit(static_cast<int>(len));
       out->has_region = true;
       const bool ok = ReadFields(in, [&](int f, int t, bool* h) {
-        if (t != kVarint || f < 1 || f > 5) return true;
+        if (t != kVarint || f < 1 || f > 8) return true;
         *h = true;
         uint64_t x = 0;
         if (!in->ReadVarint64(&x)) return false;
+        if (f == 6) out->region_layer_step = x != 0;
+        if (f == 7) out->hidden_offset = x;
+        if (f == 8) {
+          out->has_position = true;
+          out->position = static_cast<int64_t>(x);
+        }
         if (f == 1) out->region_s_q = x > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(x);
         if (f == 2) out->q_offset = x;
         if (f == 3) out->kv_offset = x;
@@ -286,7 +314,13 @@ absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* stre
   out->sequence_id_bytes = 0;
   out->sequence_id->clear();
   out->kv->clear();
+  out->hidden_bytes = 0;
+  if (out->hidden != nullptr) out->hidden->clear();
   const bool ok = ReadFields(&in, [&](int field, int type, bool* handled) {
+    if (type == kLen && field == kAppendHidden && out->hidden != nullptr) {
+      *handled = true;
+      return ReadBoundedBytes(&in, INT_MAX, out->hidden, &out->hidden_bytes);
+    }
     if (type == kVarint && field == kAppendLayer) {
       *handled = true;
       uint64_t v = 0;

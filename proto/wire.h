@@ -19,6 +19,7 @@ struct StepBounds {
   int64_t max_id_bytes = 128;
   int64_t max_q_bytes = 0;
   int64_t max_kv_bytes = 0;
+  int64_t max_hidden_bytes = 0;  // DecodeStep.hidden (0 without the layer API)
 };
 
 // One DecodeStep as read off the wire. The strings are the caller's, reused across
@@ -33,6 +34,15 @@ struct StepFields {
   bool has_region = false;
   uint32_t region_s_q = 0;
   uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;
+  // The layer API: DecodeStep.hidden (read where q goes: the two never come together,
+  // q_bytes then counts the q field alone) or RegionTensors.layer_step/hidden_offset, and
+  // the optional position of either.
+  bool has_hidden = false;
+  int64_t hidden_bytes = 0;
+  bool region_layer_step = false;
+  uint64_t hidden_offset = 0;
+  bool has_position = false;
+  int64_t position = 0;
   // Sizes on the wire; a field over its bound is not copied (its string stays empty).
   int64_t sequence_id_bytes = 0, q_bytes = 0, kv_bytes = 0;
   std::string* sequence_id = nullptr;
@@ -86,6 +96,9 @@ struct AppendFields {
   int64_t sequence_id_bytes = 0;
   std::string* sequence_id = nullptr;
   std::string* kv = nullptr;
+  // AppendKvRequest.hidden (the layer API), into its own string when given.
+  std::string* hidden = nullptr;
+  int64_t hidden_bytes = 0;
 };
 absl::Status ReadAppendKvRequest(google::protobuf::io::ZeroCopyInputStream* in, int64_t max_id_bytes,
                                  AppendFields* out);

@@ -102,6 +102,7 @@ grpc::Status AppendKvReactor::Apply() {
   wire::AppendFields f;
   f.sequence_id = &id_buf_;
   f.kv = &kv_buf_;
+  f.hidden = &hidden_buf_;
   {
     grpc::ProtoBufferReader reader(&request_);
     absl::Status st = wire::ReadAppendKvRequest(&reader, 128, &f);
@@ -125,6 +126,7 @@ grpc::Status AppendKvReactor::Apply() {
   }
   st = CheckLayer("layer", f.layer, sh.num_layers);
   if (!st.ok()) return Prefixed(st, where);
+  if (f.hidden_bytes > 0) return ApplyHidden(f, where);
   const int64_t kb = static_cast<int64_t>(kv_buf_.size());
   if (kb % sh.kv_row_bytes != 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -139,6 +141,35 @@ grpc::Status AppendKvReactor::Apply() {
     return Prefixed(lengths.status(), absl::StrCat(where, "(", rows_, " rows appended before it) "));
   }
   rows_ += kb / sh.kv_row_bytes;
+  lengths_ = std::move(lengths->lengths);
+  return grpc::Status::OK;
+}
+
+grpc::Status AppendKvReactor::ApplyHidden(const wire::AppendFields& f, const std::string& where) {
+  const DecodeServiceImpl::Shape& sh = service_->shape();
+  if (!kv_buf_.empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(where, "kv, hidden: expected one of them per message, got both"));
+  }
+  if (sh.hidden_row_bytes == 0) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat(where, "hidden: this daemon serves the kernel-level API only (ServerInfo.layer_api "
+                                            "is false; start it with --model_dir holding the checkpoint's weights)"));
+  }
+  const int64_t hb = static_cast<int64_t>(hidden_buf_.size());
+  if (hb % sh.hidden_row_bytes != 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(where, "hidden: ", hb, " bytes; expected a multiple of hidden_size * 2 = ",
+                                     sh.hidden_row_bytes, " bytes ([n, ", sh.hidden_row_bytes / 2,
+                                     "] in the server dtype)"));
+  }
+  // The engine computes the rows (GEMMs without its locks) and appends them like kv.
+  auto lengths = service_->engine()->AppendHidden(sequence_id_, f.layer, hidden_buf_);
+  if (hidden_buf_.capacity() > kKeepBufferBytes) std::string().swap(hidden_buf_);
+  if (!lengths.ok()) {
+    return Prefixed(lengths.status(), absl::StrCat(where, "(", rows_, " rows appended before it) "));
+  }
+  rows_ += hb / sh.hidden_row_bytes;
   lengths_ = std::move(lengths->lengths);
   return grpc::Status::OK;
 }

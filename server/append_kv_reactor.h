@@ -8,6 +8,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "proto/wire.h"
 #include "server/service.h"
 
 namespace latentd::server {
@@ -28,6 +29,8 @@ class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
  private:
   grpc::Status Apply();
+  // A message with AppendKvRequest.hidden (the layer API): the engine computes its rows.
+  grpc::Status ApplyHidden(const wire::AppendFields& f, const std::string& where);
 
   static constexpr size_t kKeepBufferBytes = 4 << 20;
 
@@ -35,7 +38,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   DecodeServiceImpl* const service_;
   grpc::ByteBuffer* const response_;
   grpc::ByteBuffer request_;
-  std::string id_buf_, kv_buf_;
+  std::string id_buf_, kv_buf_, hidden_buf_;
   std::string sequence_id_;
   std::vector<int64_t> lengths_;
   int64_t rows_ = 0;

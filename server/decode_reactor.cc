@@ -432,6 +432,7 @@ void DecodeReactor::Process() {
   wire::StepBounds bounds;
   bounds.max_q_bytes = sh.max_s_q * sh.q_row_bytes;
   bounds.max_kv_bytes = sh.max_s_q * sh.kv_row_bytes;
+  bounds.max_hidden_bytes = sh.max_s_q * sh.hidden_row_bytes;
   grpc::ProtoBufferReader reader(&read_buf_);
   wire::DecodeStepReader steps(&reader);
   int read = 0;
@@ -457,10 +458,14 @@ void DecodeReactor::Process() {
     absl::Status st = f.has_region ? decode::ValidateRegionStep(f, read, sh, Region())
                                    : decode::ValidateByteStep(f, read, sh);
     int64_t extra = 0;  // the results' buffers, sized in Prepare
-    if (st.ok() && !f.has_region) extra = decode::ResultCharge(f.q_bytes / sh.q_row_bytes, slot->lse_buf.capacity(), sh);
+    if (st.ok() && !f.has_region) {
+      const int64_t s_q = f.has_hidden ? f.hidden_bytes / sh.hidden_row_bytes : f.q_bytes / sh.q_row_bytes;
+      extra = decode::ResultCharge(s_q, slot->lse_buf.capacity(), sh, f.has_hidden);
+    }
     if (absl::Status charged = ChargeSlot(slot, extra); !charged.ok()) st = charged;
     if (st.ok()) Prepare(slot, f, sh);
-    if (st.ok() && !f.has_region && !(f.q_raw && f.kv_raw)) GrowPinned(slot, slot->s_q, sh);
+    // The pinned buffer is sized for q and kv; a layer step's hidden uses it when it fits.
+    if (st.ok() && !f.has_region && !f.has_hidden && !(f.q_raw && f.kv_raw)) GrowPinned(slot, slot->s_q, sh);
     slot->code = static_cast<int32_t>(st.code());
     if (!st.ok()) decode::SetError(slot, st);
   }
@@ -478,14 +483,32 @@ void DecodeReactor::Process() {
 }
 
 void DecodeReactor::Prepare(Slot* slot, const wire::StepFields& f, const decode::StepShape& sh) {
-  const int s_q = f.has_region ? static_cast<int>(f.region_s_q) : static_cast<int>(f.q_bytes / sh.q_row_bytes);
+  const bool layer_step = f.has_region ? f.region_layer_step : f.has_hidden;
+  const int s_q = f.has_region ? static_cast<int>(f.region_s_q)
+                  : layer_step ? static_cast<int>(f.hidden_bytes / sh.hidden_row_bytes)
+                               : static_cast<int>(f.q_bytes / sh.q_row_bytes);
   slot->layer = f.layer;
   slot->s_q = s_q;
   slot->causal = f.causal;
   slot->flow = flow_;
   slot->in_region = f.has_region;
+  slot->layer_step = layer_step;
+  slot->position = f.has_position ? f.position : -1;
   using engine::TensorLocation;
-  if (f.has_region) {  // bounds and alignment checked in ValidateRegionStep
+  if (layer_step) {
+    // The engine computes q and kv and owns out and lse while the step runs; the layer
+    // math reads hidden and writes layer_out on the host (a CUDA region was refused).
+    slot->q = slot->kv = slot->out = slot->lse = TensorLocation();
+    const size_t bytes = static_cast<size_t>(s_q * sh.hidden_row_bytes);
+    if (f.has_region) {
+      slot->hidden = TensorLocation::Host(region_ + f.hidden_offset, bytes);
+      slot->layer_out = TensorLocation::Host(region_ + f.out_offset, bytes);
+    } else {
+      slot->hidden = f.q_raw ? TensorLocation::Host(slot->pin, bytes) : TensorLocation::Host(slot->q_buf.data(), bytes);
+      slot->lse_buf.clear();
+      slot->layer_out = TensorLocation();  // set by LayOut
+    }
+  } else if (f.has_region) {  // bounds and alignment checked in ValidateRegionStep
     // A CUDA region is device memory; a shared region the engine registered is read
     // and written by the device in place; else its tensors are staged host bytes.
     const engine::MemoryRegion r{region_, region_device_, region_bytes_};
@@ -510,7 +533,7 @@ void DecodeReactor::Prepare(Slot* slot, const wire::StepFields& f, const decode:
     slot->kv = f.kv_raw ? TensorLocation::Host(slot->pin + slot->pin_kv_at, static_cast<size_t>(f.kv_bytes))
                         : TensorLocation::Host(slot->kv_buf.data(), slot->kv_buf.size());
   }
-  if (!f.has_region) {
+  if (!f.has_region && !layer_step) {
     if (f.q_raw && f.kv_raw) service_->steps_inputs_pinned_.fetch_add(1, std::memory_order_relaxed);
     slot->lse_buf.resize(static_cast<size_t>(s_q * sh.lse_row_bytes));
     slot->out = TensorLocation();  // set by LayOut
@@ -741,12 +764,16 @@ void DecodeReactor::TakeRing(uint32_t head, uint32_t take) {
     f.kv_offset = e.kv_offset;
     f.out_offset = e.out_offset;
     f.lse_offset = e.lse_offset;
+    f.region_layer_step = e.layer_step == 1;
+    f.hidden_offset = e.hidden_offset;
+    f.has_position = e.has_position == 1;
+    f.position = e.position;
     f.sequence_id_bytes = e.sequence_id_bytes;
     f.sequence_id = &slot->sequence_id;
     slot->sequence_id.assign(e.sequence_id, std::min<uint32_t>(e.sequence_id_bytes, ring::kMaxSequenceId));
     decode::ResetSlot(slot, f.request_id, e.trace == 1, received);
     slot->complete_inline = true;  // its completion is a store into the ring (PostLocked)
-    absl::Status st = decode::CheckRingFlags(head + i, e.request_id, e.causal, e.trace);
+    absl::Status st = decode::CheckRingFlags(head + i, e.request_id, e.causal, e.trace, e.layer_step, e.has_position);
     if (st.ok()) st = decode::ValidateRegionStep(f, static_cast<int>(i), sh, Region());
     if (absl::Status charged = ChargeSlot(slot, 0); !charged.ok()) st = charged;
     if (st.ok()) Prepare(slot, f, sh);

@@ -127,7 +127,7 @@ class DecodeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Process();
 
   // The stream's region as its steps are checked against (step_validation.h).
-  decode::RegionExtent Region() const { return {region_ != nullptr, region_bytes_, ring_bytes_}; }
+  decode::RegionExtent Region() const { return {region_ != nullptr, region_bytes_, ring_bytes_, region_is_cuda_}; }
 
   // Fills the engine's fields of a valid, charged step.
   void Prepare(Slot* slot, const wire::StepFields& f, const decode::StepShape& sh);

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -36,6 +37,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "engine/model/config.h"
+#include "engine/model/safetensors.h"
+#include "engine/model/weights.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -56,7 +60,17 @@ ABSL_FLAG(std::string, model, "",
           "model preset: deepseek-v3, deepseek-r1 (= deepseek-v3), deepseek-v2-lite, kimi-k2, kimi-k2-0905; "
           "sets the shape and the YaRN-corrected softmax scale (explicit shape flags override it)");
 ABSL_FLAG(int, tensor_parallel, 1,
-          "with --model: tensor-parallel degree; this daemon serves num_attention_heads / N query heads");
+          "with --model or --model_dir: tensor-parallel degree; this daemon serves num_attention_heads / N query "
+          "heads");
+ABSL_FLAG(std::string, model_dir, "",
+          "a Hugging Face checkpoint folder (config.json and *.safetensors): the shape comes from config.json, and "
+          "with the attention weights present the daemon also serves the layer API (hidden states in, the layer's "
+          "output back; docs/mla-layer-server.md). Not with --model");
+ABSL_FLAG(int, tensor_rank, 0,
+          "with --model_dir and --tensor_parallel N: this daemon's rank, 0..N-1 (its slice of the heads)");
+ABSL_FLAG(int, max_positions, 0,
+          "layer API: positions with a rotary table entry (RoPE), at most 1048576; 0 = config.json's "
+          "max_position_embeddings (32768 when absent)");
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address to serve on (host:port; port 0 picks a free one, see --port_file)");
@@ -210,9 +224,11 @@ std::string ApplyModelPreset(std::string* applied) {
   const int tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
   if (model.empty()) {
     *applied = "custom";
-    if (tensor_parallel != 1) return "--tensor_parallel: only with --model (else give --num_heads_q per rank)";
+    if (tensor_parallel != 1 && absl::GetFlag(FLAGS_model_dir).empty())
+      return "--tensor_parallel: only with --model or --model_dir (else give --num_heads_q per rank)";
     return "";
   }
+  if (!absl::GetFlag(FLAGS_model_dir).empty()) return "--model and --model_dir: expected one of them, got both";
   auto preset = ResolvePreset(model, tensor_parallel);
   if (!preset.ok()) return std::string(preset.status().message());
   std::vector<std::string> overridden;
@@ -233,6 +249,72 @@ std::string ApplyModelPreset(std::string* applied) {
   fill(FLAGS_softmax_scale, preset->softmax_scale);
   *applied = absl::StrCat(preset->name, " tp ", tensor_parallel);
   if (!overridden.empty()) absl::StrAppend(applied, " (overridden: ", absl::StrJoin(overridden, " "), ")");
+  return "";
+}
+
+// --model_dir: the shape from config.json (explicit shape flags must agree with it) and,
+// when the folder holds safetensors files, this rank's attention weights for the layer
+// API. Returns a message naming the flag, file or tensor, or empty; *applied describes
+// the result for the start-up line.
+std::string ApplyModelDir(engine::EngineOptions* o, std::string* applied) {
+  const std::string dir = absl::GetFlag(FLAGS_model_dir);
+  const int rank = absl::GetFlag(FLAGS_tensor_rank);
+  o->layer_max_positions = absl::GetFlag(FLAGS_max_positions);
+  if (o->layer_max_positions < 0 || o->layer_max_positions > (1 << 20))
+    return "--max_positions: expected 0 (config.json's) to 1048576";
+  if (dir.empty()) {
+    if (rank != 0) return "--tensor_rank: only with --model_dir";
+    return "";
+  }
+  auto config = engine::model::LoadModelConfig(dir);
+  if (!config.ok()) return absl::StrCat("--model_dir: ", config.status().message());
+  const engine::model::TensorParallel tp{absl::GetFlag(FLAGS_tensor_parallel), rank};
+  if (absl::Status st = engine::model::ValidateTensorParallel(*config, tp); !st.ok())
+    return absl::StrCat("--", st.message());
+  // The decode kernel's row is 512 latent + 64 rope values.
+  if (config->kv_lora_rank != kernels::kHeadDimV || config->qk_rope_head_dim != kernels::kHeadDimQK - kernels::kHeadDimV)
+    return absl::StrCat("--model_dir: ", config->path, ": kv_lora_rank ", config->kv_lora_rank,
+                        " and qk_rope_head_dim ", config->qk_rope_head_dim, "; expected 512 and 64 (the rows the "
+                        "decode kernel reads)");
+  const int heads = config->num_attention_heads / tp.size;
+  const float scale = static_cast<float>(engine::model::SoftmaxScale(*config));
+  std::vector<std::string> conflicts;
+  auto agree = [&](auto& flag, auto value, auto current) {
+    const absl::CommandLineFlag& handle = absl::GetFlagReflectionHandle(flag);
+    if (absl::flags_internal::PrivateHandleAccessor::IsSpecifiedOnCommandLine(handle) && current != value)
+      conflicts.push_back(absl::StrCat("--", handle.Name(), " (config.json: ", value, ")"));
+  };
+  agree(FLAGS_num_layers, config->num_hidden_layers, o->model.num_layers);
+  agree(FLAGS_num_heads_q, heads, o->model.num_heads_q);
+  agree(FLAGS_num_heads_kv, 1, o->model.num_heads_kv);
+  agree(FLAGS_dtype, std::string(config->dtype == kernels::DType::kBF16 ? "bf16" : "fp16"),
+        absl::AsciiStrToLower(absl::GetFlag(FLAGS_dtype)));
+  if (!conflicts.empty())
+    return absl::StrCat("--model_dir: ", absl::StrJoin(conflicts, ", "), " disagree with ", config->path);
+  o->model.num_layers = config->num_hidden_layers;
+  o->model.num_heads_q = heads;
+  o->model.num_heads_kv = 1;
+  o->model.dtype = config->dtype;
+  o->model.softmax_scale = scale;
+  *applied = absl::StrCat(dir, " (", config->num_hidden_layers, " layers, ", heads, " of ",
+                          config->num_attention_heads, " heads on rank ", rank, " of ", tp.size, ")");
+  bool has_weights = false;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+    has_weights |= absl::EndsWith(entry.path().filename().string(), ".safetensors");
+  if (!has_weights) {
+    absl::StrAppend(applied, "; no safetensors files: the kernel-level API only");
+    return "";
+  }
+  auto checkpoint = engine::model::Checkpoint::Open(dir);
+  if (!checkpoint.ok()) return absl::StrCat("--model_dir: ", checkpoint.status().message());
+  const absl::Time start = absl::Now();
+  auto weights = engine::model::LoadAttentionWeights(*checkpoint, *config, tp);
+  if (!weights.ok()) return absl::StrCat("--model_dir: ", weights.status().message());
+  absl::StrAppend(applied, "; attention weights ", weights->bytes() >> 20, " MiB read in ",
+                  absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))), ": the layer API");
+  o->layer_config = std::make_shared<const engine::model::ModelConfig>(*std::move(config));
+  o->layer_weights = std::make_shared<const engine::model::AttentionWeights>(*std::move(weights));
   return "";
 }
 
@@ -345,6 +427,9 @@ int Run() {
   std::string model_preset;
   if (std::string err = ApplyModelPreset(&model_preset); !err.empty()) return Fail(err);
   if (std::string err = BuildEngineOptions(&eo); !err.empty()) return Fail(err);
+  std::string model_dir;
+  if (std::string err = ApplyModelDir(&eo, &model_dir); !err.empty()) return Fail(err);
+  if (!model_dir.empty()) model_preset = model_dir;
   const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   if (max_message_bytes < 1024 || max_message_bytes > (int64_t{1} << 31) - 1) {
     return Fail("--max_message_bytes: expected 1024 to 2^31-1");
@@ -381,10 +466,13 @@ int Run() {
   auto created = engine::Engine::Create(eo);
   if (!created.ok()) return Fail(absl::StrCat("engine: ", created.status().ToString()));
   std::unique_ptr<engine::Engine> engine = std::move(*created);
+  eo.layer_weights.reset();  // the engine's layer math holds them in its own form now
   const engine::EngineInfo info = engine->Info();
 
   ServiceOptions so;
   so.auth_token = token->token;
+  so.tensor_parallel = absl::GetFlag(FLAGS_tensor_parallel);
+  so.tensor_rank = absl::GetFlag(FLAGS_tensor_rank);
   so.max_s_q = eo.max_s_q;
   so.max_message_bytes = max_message_bytes;
   so.max_stream_inflight = absl::GetFlag(FLAGS_max_stream_inflight);

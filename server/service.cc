@@ -43,7 +43,7 @@ grpc::Status ToGrpc(const absl::Status& status) {
 
 DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions options)
     : engine_(engine), options_(std::move(options)), inflight_(options_.max_inflight_bytes) {
-  shape_ = decode::StepShape::For(engine_->Info().model, options_.max_s_q);
+  shape_ = decode::StepShape::For(engine_->Info(), options_.max_s_q);
   uploader_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "latentd-upload");  // for top -H and debuggers
     UploadLoop();
@@ -226,6 +226,11 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_kv_bytes_per_token(info.kv_bytes_per_token);
   response->set_steps_inputs_pinned(steps_inputs_pinned_.load(std::memory_order_relaxed));
   response->set_steps_inputs_device_direct(steps_inputs_device_direct_.load(std::memory_order_relaxed));
+  response->set_layer_api(info.layer_api);
+  response->set_hidden_size(info.hidden_size);
+  response->set_tensor_parallel(std::max(1, options_.tensor_parallel));
+  response->set_tensor_rank(options_.tensor_rank);
+  response->set_weight_bytes(info.weight_bytes);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -28,6 +28,10 @@ namespace latentd::server {
 
 struct ServiceOptions {
   std::string auth_token;          // empty: no authentication
+  // --model_dir's tensor parallelism, reported in ServerInfo (the engine holds only this
+  // rank's heads).
+  int tensor_parallel = 1;
+  int tensor_rank = 0;
   int max_s_q = 8;                 // largest s_q a step may carry (as the engine was told)
   int64_t max_message_bytes = 0;   // advertised in ServerInfo
   // Steps one DecodeRequest may hold; counted before any step is copied.

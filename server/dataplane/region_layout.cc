@@ -3,6 +3,7 @@
 #include "server/dataplane/region_layout.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 
 namespace latentd::server::dataplane {
 
@@ -15,13 +16,17 @@ absl::Status CheckRegionTensors(const RegionTensors& t, const RowBytes& rows, ui
     const char* name;
     uint64_t offset, bytes, align;
   };
-  const Tensor tensors[] = {
+  const Tensor kernel_step[] = {
       {"region.q_offset", t.q_offset, t.s_q * rows.q, 2},
       {"region.kv_offset", t.kv_offset, t.s_q * rows.kv, 2},
       {"region.out_offset", t.out_offset, t.s_q * rows.out, 2},
       {"region.lse_offset", t.lse_offset, t.s_q * rows.lse, 4},
   };
-  for (const Tensor& x : tensors) {
+  const Tensor layer_step[] = {
+      {"region.hidden_offset", t.hidden_offset, t.s_q * rows.hidden, 2},
+      {"region.out_offset", t.out_offset, t.s_q * rows.hidden, 2},
+  };
+  for (const Tensor& x : t.layer_step ? absl::MakeConstSpan(layer_step) : absl::MakeConstSpan(kernel_step)) {
     // offset > bytes is tested first so that bytes - offset cannot wrap.
     if (x.offset > region.bytes || x.bytes > region.bytes - x.offset || x.offset % x.align != 0) {
       return absl::InvalidArgumentError(absl::StrCat(x.name, ": ", x.offset, " (", x.bytes,

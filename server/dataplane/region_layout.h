@@ -12,12 +12,17 @@ namespace latentd::server::dataplane {
 // Bytes of each tensor per query token (the model's shape).
 struct RowBytes {
   uint64_t q = 0, kv = 0, out = 0, lse = 0;
+  uint64_t hidden = 0;  // a layer step's hidden state and output per token
 };
 
 // A step's DecodeStep.region (or doorbell ring entry): its s_q and tensor offsets.
 struct RegionTensors {
   uint64_t s_q = 0;
   uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;
+  // A layer step: hidden [s_q, hidden] at hidden_offset, its output [s_q, hidden] at
+  // out_offset; q, kv and lse are not read.
+  bool layer_step = false;
+  uint64_t hidden_offset = 0;
 };
 
 // The region a step's tensors must fit: `bytes` long, whose first `reserved` bytes hold

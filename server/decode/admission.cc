@@ -27,9 +27,9 @@ void ReleaseSlot(Slot* s, ByteBudget* budget) {
   s->charged = 0;
 }
 
-int64_t ResultCharge(int64_t s_q, size_t lse_capacity, const StepShape& sh) {
-  return std::max<int64_t>(0, s_q * sh.lse_row_bytes - static_cast<int64_t>(lse_capacity)) +
-         s_q * (sh.out_row_bytes + 64);
+int64_t ResultCharge(int64_t s_q, size_t lse_capacity, const StepShape& sh, bool layer_step) {
+  return std::max<int64_t>(0, s_q * LseRowBytes(sh, layer_step) - static_cast<int64_t>(lse_capacity)) +
+         s_q * (OutRowBytes(sh, layer_step) + 64);
 }
 
 PinnedSize PinnedFor(int64_t s_q, const StepShape& sh) {

@@ -49,7 +49,7 @@ void ReleaseSlot(Slot* s, ByteBudget* budget);
 // What a byte step of s_q tokens adds to its slot before it runs: lse grows the slot's
 // buffer (beyond the capacity it has), out goes into the message's response buffer
 // (LayOut), counted with the slot that will hand it over.
-int64_t ResultCharge(int64_t s_q, size_t lse_capacity, const StepShape& sh);
+int64_t ResultCharge(int64_t s_q, size_t lse_capacity, const StepShape& sh, bool layer_step = false);
 
 // A slot's registered input buffer for s_q tokens: [q | kv at kv_at], whole pages.
 struct PinnedSize {

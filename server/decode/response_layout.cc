@@ -31,8 +31,8 @@ bool LaidOutHere(const Slot* s) { return s->code == 0 && !s->in_region; }
 }  // namespace
 
 size_t ResultBytes(const Slot* s, const StepShape& sh) {
-  return wire::SuccessLayout(s->request_id, static_cast<size_t>(s->s_q * sh.out_row_bytes),
-                             static_cast<size_t>(s->s_q * sh.lse_row_bytes), s->trace)
+  return wire::SuccessLayout(s->request_id, static_cast<size_t>(s->s_q * OutRowBytes(sh, s->layer_step)),
+                             static_cast<size_t>(s->s_q * LseRowBytes(sh, s->layer_step)), s->trace)
       .bytes;
 }
 
@@ -55,10 +55,10 @@ void LayOut(Slot* const* slots, int n, const StepShape& sh, size_t cap) {
       for (int k = i; k < j; ++k) {
         Slot* s = slots[k];
         if (!LaidOutHere(s)) continue;
-        const size_t out_bytes = static_cast<size_t>(s->s_q * sh.out_row_bytes);
+        const size_t out_bytes = static_cast<size_t>(s->s_q * OutRowBytes(sh, s->layer_step));
         const wire::ResultLayout l = wire::SuccessLayout(s->request_id, out_bytes, s->lse_buf.size(), s->trace);
         wire::EncodeSuccessHead(s->request_id, out_bytes, s->lse_buf.size(), s->trace, base + at);
-        s->out = engine::TensorLocation::Host(base + at + l.out_at, out_bytes);
+        (s->layer_step ? s->layer_out : s->out) = engine::TensorLocation::Host(base + at + l.out_at, out_bytes);
         s->part = buffer.sub(at, at + l.bytes);
         s->part_tail = l.tail_at;
         s->laid_out = true;

@@ -19,4 +19,13 @@ StepShape StepShape::For(const engine::ModelConfig& model, int max_s_q) {
   return s;
 }
 
+StepShape StepShape::For(const engine::EngineInfo& info, int max_s_q) {
+  StepShape s = For(info.model, max_s_q);
+  if (info.layer_api) {
+    s.hidden_row_bytes = int64_t{info.hidden_size} * 2;
+    s.max_positions = info.max_positions;
+  }
+  return s;
+}
+
 }  // namespace latentd::server::decode

@@ -12,6 +12,9 @@ void ResetSlot(Slot* s, uint64_t request_id, bool trace, absl::Time received) {
   s->received = received;
   s->submitted = s->batched_at = s->launched_at = s->finished_at = s->completed = absl::Time();
   s->complete_inline = false;
+  s->layer_step = false;
+  s->hidden = s->layer_out = engine::TensorLocation();
+  s->position = -1;
 }
 
 void SetError(Slot* s, const absl::Status& status) {

@@ -35,6 +35,7 @@ struct Slot : engine::DecodeStep {
   Slot* group_next = nullptr;  // answered steps of its message, waiting for the rest
   bool trace = false;          // DecodeStep.trace: send StepTiming back
   bool in_region = false;      // tensors in the stream's shared region, not in the buffers
+  bool layer_step = false;     // DecodeStep.hidden: the result is the layer's output, no lse
   // Zero-copy result: its StepResult laid out in the message's response buffer before
   // it runs, with `out` pointing inside; lse and timing are written at part_tail when
   // the response is built. Counted in `charged` like the slot's own buffers.

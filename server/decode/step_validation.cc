@@ -82,8 +82,39 @@ absl::Status CheckOpenFields(const OpenFields& f) {
   return absl::OkStatus();
 }
 
+// The layer API's part of a layer step: the API is served and the position fits.
+absl::Status CheckLayerStep(const wire::StepFields& in, int64_t s_q, const StepShape& sh) {
+  if (sh.hidden_row_bytes == 0) {
+    return absl::FailedPreconditionError(
+        "hidden: this daemon serves the kernel-level API only (ServerInfo.layer_api is false; start it with "
+        "--model_dir holding the checkpoint's attention weights)");
+  }
+  if (in.has_position && (in.position < 0 || in.position > sh.max_positions - s_q)) {
+    return absl::OutOfRangeError(absl::StrCat("position: ", in.position, "; expected 0 <= position <= ",
+                                              sh.max_positions - s_q, " for ", s_q, " tokens (--max_positions ",
+                                              sh.max_positions, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateByteStep(const wire::StepFields& in, int index, const StepShape& sh) {
   absl::Status st = CheckIdAndLayer(in, sh);
+  if (st.ok() && in.has_hidden) {
+    const int64_t hb = in.hidden_bytes, row = sh.hidden_row_bytes;
+    if (in.q_bytes != 0 || in.kv_bytes != 0) {
+      st = absl::InvalidArgumentError("q, kv: expected empty when hidden is set (a layer step)");
+    } else if (row == 0) {
+      st = CheckLayerStep(in, 1, sh);
+    } else if (hb == 0 || hb % row != 0 || hb / row > sh.max_s_q) {
+      st = absl::InvalidArgumentError(absl::StrCat("hidden: ", hb, " bytes; expected s_q * hidden_size * 2 = s_q * ",
+                                                   row, " bytes ([s_q, ", row / 2,
+                                                   "] in the server dtype) with 1 <= s_q <= ", sh.max_s_q));
+    } else {
+      st = CheckLayerStep(in, hb / row, sh);
+    }
+    return WithStep(st, index, in.request_id);
+  }
+  if (st.ok() && in.has_position) st = absl::InvalidArgumentError("position: only for layer steps (hidden set)");
   if (st.ok()) {
     const int64_t qb = in.q_bytes;
     if (qb == 0 || qb % sh.q_row_bytes != 0 || qb / sh.q_row_bytes > sh.max_s_q) {
@@ -109,23 +140,43 @@ absl::Status ValidateRegionStep(const wire::StepFields& in, int index, const Ste
     st = absl::InvalidArgumentError(
         "region: this stream has no region; send DecodeRequest.open_region_bytes or open_cuda_region first");
   }
-  if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
-    st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
+  if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0 || in.has_hidden)) {
+    st = absl::InvalidArgumentError(
+        "q, kv, hidden: expected empty when region is set (the tensors are in the region)");
+  }
+  if (st.ok() && in.region_layer_step) {
+    st = CheckLayerStep(in, in.region_s_q, sh);
+    if (st.ok() && region.device) {
+      st = absl::InvalidArgumentError(
+          "region.layer_step: layer steps read and write their tensors on the host; use a shared region "
+          "(open_region_bytes), not a CUDA region");
+    }
+  } else if (st.ok() && in.has_position) {
+    st = absl::InvalidArgumentError("region.position: only for layer steps (region.layer_step set)");
   }
   if (st.ok()) {
     const dataplane::RowBytes rows{static_cast<uint64_t>(sh.q_row_bytes), static_cast<uint64_t>(sh.kv_row_bytes),
-                                   static_cast<uint64_t>(sh.out_row_bytes), static_cast<uint64_t>(sh.lse_row_bytes)};
-    st = dataplane::CheckRegionTensors({in.region_s_q, in.q_offset, in.kv_offset, in.out_offset, in.lse_offset},
-                                       rows, static_cast<uint64_t>(sh.max_s_q), {region.bytes, region.ring_bytes});
+                                   static_cast<uint64_t>(sh.out_row_bytes), static_cast<uint64_t>(sh.lse_row_bytes),
+                                   static_cast<uint64_t>(sh.hidden_row_bytes)};
+    dataplane::RegionTensors t{in.region_s_q, in.q_offset, in.kv_offset, in.out_offset, in.lse_offset};
+    t.layer_step = in.region_layer_step;
+    t.hidden_offset = in.hidden_offset;
+    st = dataplane::CheckRegionTensors(t, rows, static_cast<uint64_t>(sh.max_s_q), {region.bytes, region.ring_bytes});
   }
   return WithStep(st, index, in.request_id);
 }
 
-absl::Status CheckRingFlags(uint32_t entry, uint64_t request_id, uint32_t causal, uint32_t trace) {
-  if (causal <= 1 && trace <= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("ring entry ", entry, " (request_id ", request_id, ").",
-                                                 causal > 1 ? "causal: " : "trace: ", causal > 1 ? causal : trace,
-                                                 "; expected 0 or 1"));
+absl::Status CheckRingFlags(uint32_t entry, uint64_t request_id, uint32_t causal, uint32_t trace,
+                            uint32_t layer_step, uint32_t has_position) {
+  const std::pair<const char*, uint32_t> flags[] = {
+      {"causal", causal}, {"trace", trace}, {"layer_step", layer_step}, {"has_position", has_position}};
+  for (const auto& [name, value] : flags) {
+    if (value > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ring entry ", entry, " (request_id ", request_id, ").", name, ": ", value, "; expected 0 or 1"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace latentd::server::decode

@@ -41,12 +41,14 @@ struct RegionExtent {
   bool present = false;
   uint64_t bytes = 0;
   uint64_t ring_bytes = 0;
+  bool device = false;  // a CUDA region (device memory only)
 };
 // A step whose tensors are in the region: every tensor inside it and aligned.
 absl::Status ValidateRegionStep(const wire::StepFields& in, int index, const StepShape& sh,
                                 const RegionExtent& region);
 
 // A doorbell ring entry's flag fields, each 0 or 1 (the ring has no bool).
-absl::Status CheckRingFlags(uint32_t entry, uint64_t request_id, uint32_t causal, uint32_t trace);
+absl::Status CheckRingFlags(uint32_t entry, uint64_t request_id, uint32_t causal, uint32_t trace,
+                            uint32_t layer_step = 0, uint32_t has_position = 0);
 
 }  // namespace latentd::server::decode

@@ -22,7 +22,8 @@ _SQ_HEAD, _CQ_TAIL, _SERVER_WAITING, _CLOSED = 16, 17, 18, 19
 STEP_DTYPE = np.dtype([
     ("request_id", "<u8"), ("layer", "<i4"), ("s_q", "<u4"), ("causal", "<u4"), ("sequence_id_bytes", "<u4"),
     ("q_offset", "<u8"), ("kv_offset", "<u8"), ("out_offset", "<u8"), ("lse_offset", "<u8"),
-    ("sequence_id", "S128"), ("trace", "<u4"), ("reserved", "V68"),
+    ("sequence_id", "S128"), ("trace", "<u4"),
+    ("layer_step", "<u4"), ("hidden_offset", "<u8"), ("position", "<i8"), ("has_position", "<u4"), ("reserved", "V44"),
 ])
 # One completion entry: code is a google.rpc code (0: out and lse are in the region).
 COMPLETION_DTYPE = np.dtype([
@@ -124,13 +125,20 @@ class DoorbellRing:
 
     def submit(self, steps):
         """Publishes dicts (sequence_id, layer, s_q, q_offset, kv_offset, out_offset,
-        lse_offset, request_id, causal and trace optional) as one batch."""
+        lse_offset, request_id, causal and trace optional) as one batch. A layer step
+        (the layer API) gives hidden_offset and out_offset instead of the four tensor
+        offsets, and optionally position."""
         arr = self.steps(len(steps))
         for i, st in enumerate(steps):
+            layer_step = "hidden_offset" in st
             for k in ("request_id", "layer", "s_q", "q_offset", "kv_offset", "out_offset", "lse_offset"):
-                arr[i][k] = st[k]
+                arr[i][k] = st.get(k, 0) if layer_step or k == "request_id" else st[k]
             arr[i]["causal"] = 1 if st.get("causal") else 0
             arr[i]["trace"] = 1 if st.get("trace") else 0
+            arr[i]["layer_step"] = 1 if layer_step else 0
+            arr[i]["hidden_offset"] = st.get("hidden_offset", 0)
+            arr[i]["has_position"] = 1 if st.get("position") is not None else 0
+            arr[i]["position"] = st.get("position") or 0
         self.set_sequence_ids(arr, [st["sequence_id"] for st in steps])
         self.submit_array(arr)
 
