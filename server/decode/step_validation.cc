@@ -140,9 +140,12 @@ absl::Status ValidateRegionStep(const wire::StepFields& in, int index, const Ste
     st = absl::InvalidArgumentError(
         "region: this stream has no region; send DecodeRequest.open_region_bytes or open_cuda_region first");
   }
-  if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0 || in.has_hidden)) {
+  if (st.ok() && (in.q_bytes != 0 || in.kv_bytes != 0)) {
+    st = absl::InvalidArgumentError("q, kv: expected empty when region is set (the tensors are in the region)");
+  }
+  if (st.ok() && in.has_hidden) {
     st = absl::InvalidArgumentError(
-        "q, kv, hidden: expected empty when region is set (the tensors are in the region)");
+        "hidden: expected empty when region is set (a layer step's hidden states are at region.hidden_offset)");
   }
   if (st.ok() && in.region_layer_step) {
     st = CheckLayerStep(in, in.region_s_q, sh);

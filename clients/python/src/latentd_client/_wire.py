@@ -57,6 +57,11 @@ class ModelWire:
     def h_kv(self):
         return self.info.num_heads_kv
 
+    @property
+    def hidden_size(self):
+        """The model's hidden size when the daemon serves the layer API (else 0)."""
+        return self.info.hidden_size if self.info.layer_api else 0
+
     def wire(self, array):
         return to_wire(array, self.info.dtype)
 
@@ -74,10 +79,24 @@ class ModelWire:
                                       timeout_ms=timeout_ms)
         return step, len(step.q) // (self.h_q * HEAD_DIM_QK * 2)
 
+    def _layer_step_message(self, request_id, sequence_id, layer, hidden, causal=False, position=None, timeout_ms=0):
+        """The DecodeStep of a layer step (hidden [s_q, hidden_size] in the message), and
+        its s_q as a negative number (its result is [s_q, hidden_size], no lse)."""
+        if not self.hidden_size:
+            raise ValueError("the daemon does not serve the layer API (ServerInfo.layer_api is false)")
+        step = latentd_pb2.DecodeStep(request_id=request_id, sequence_id=sequence_id, layer=layer,
+                                      hidden=bytes(self._raw(hidden)), causal=causal, timeout_ms=timeout_ms)
+        if position is not None:
+            step.position = position
+        return step, -(len(step.hidden) // (self.hidden_size * 2))
+
     def _step_output(self, result, s_q):
         """A StepResult as a StepOutput: out and lse decoded, or empty for a failed step and
         for a region step (s_q 0: its results are in the region)."""
-        if result.code == 0 and s_q > 0:
+        if result.code == 0 and s_q < 0:  # a layer step: the layer's output, no lse
+            out = self.unwire(result.out, (-s_q, self.hidden_size))
+            lse = np.zeros((0,), np.float32)
+        elif result.code == 0 and s_q > 0:
             out = self.unwire(result.out, (s_q, self.h_q, HEAD_DIM_V))
             lse = np.frombuffer(result.lse, dtype="<f4").reshape(self.h_q, s_q)
         else:

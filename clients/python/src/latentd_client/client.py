@@ -228,6 +228,26 @@ class LatentdClient(ModelWire):
 
         return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
 
+    def append_hidden(self, sequence_id, hidden_by_layer, route=None, timeout=None):
+        """The layer API's prefill: {layer: hidden states [n, hidden_size]} (float or raw
+        bytes); the daemon computes and appends their latent rows at the layer's next
+        positions. Returns the AppendKvResponse."""
+        if not self.hidden_size:
+            raise ValueError("the daemon does not serve the layer API (ServerInfo.layer_api is false)")
+        row_bytes = self.hidden_size * 2
+        chunk = max(row_bytes, self._chunk // row_bytes * row_bytes)
+
+        def messages():
+            first = True
+            for layer, hidden in hidden_by_layer.items():
+                data = self._raw(hidden)
+                for start in range(0, max(len(data), 1), chunk):
+                    yield latentd_pb2.AppendKvRequest(sequence_id=sequence_id if first else "", layer=layer,
+                                                      hidden=bytes(data[start:start + chunk]))
+                    first = False
+
+        return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
+
     def open_session(self, route=None):
         """A Decode stream; route: its x-latentd-route (through a proxy the whole stream
         goes to that key's daemon, so it should carry that sequence's steps only)."""
@@ -237,8 +257,10 @@ class LatentdClient(ModelWire):
         """Runs steps on one Decode stream and returns their StepOutputs in order.
 
         Each step is a dict: sequence_id, layer, q [s_q, h_q, 576], kv [s_q, h_kv, 576],
-        causal (optional). Failed steps have .code != 0 and a .message. The stream's
-        route is the first step's sequence.
+        causal (optional); or, for a layer step, hidden [s_q, hidden_size] instead of q and
+        kv, and position (optional), whose .out is the layer's output [s_q, hidden_size].
+        Failed steps have .code != 0 and a .message. The stream's route is the first
+        step's sequence.
         """
         with self.open_session(steps[0]["sequence_id"] if steps else None) as session:
             ids = [session.submit(**s) for s in steps]
@@ -382,8 +404,15 @@ class DecodeSession:
         for st in steps:
             rid = next(c._ids)
             ids.append(rid)
-            region = latentd_pb2.RegionTensors(s_q=st["s_q"], q_offset=st["q_offset"], kv_offset=st["kv_offset"],
-                                               out_offset=st["out_offset"], lse_offset=st["lse_offset"])
+            if "hidden_offset" in st:  # a layer step: hidden in, the layer's output at out_offset
+                region = latentd_pb2.RegionTensors(s_q=st["s_q"], layer_step=True, hidden_offset=st["hidden_offset"],
+                                                   out_offset=st["out_offset"])
+                if st.get("position") is not None:
+                    region.position = st["position"]
+            else:
+                region = latentd_pb2.RegionTensors(s_q=st["s_q"], q_offset=st["q_offset"],
+                                                   kv_offset=st["kv_offset"], out_offset=st["out_offset"],
+                                                   lse_offset=st["lse_offset"])
             pb.append(latentd_pb2.DecodeStep(request_id=rid, sequence_id=st["sequence_id"], layer=st["layer"],
                                              causal=st.get("causal", False), region=region))
         with self._lock:
@@ -401,18 +430,28 @@ class DecodeSession:
         for st in steps:
             rid = st.get("request_id") or next(c._ids)
             ids.append(rid)
-            step, s_q = c._step_message(rid, st["sequence_id"], st["layer"], st["q"], st["kv"],
-                                        st.get("causal", False), st.get("timeout_ms", 0))
+            if "hidden" in st:
+                step, s_q = c._layer_step_message(rid, st["sequence_id"], st["layer"], st["hidden"],
+                                                  st.get("causal", False), st.get("position"), st.get("timeout_ms", 0))
+            else:
+                step, s_q = c._step_message(rid, st["sequence_id"], st["layer"], st["q"], st["kv"],
+                                            st.get("causal", False), st.get("timeout_ms", 0))
             with self._lock:
                 self._s_q[rid] = s_q
             pb.append(step)
         self._requests.put(latentd_pb2.DecodeRequest(steps=pb))
         return ids
 
-    def submit(self, sequence_id, layer, q, kv, causal=False, request_id=None, timeout_ms=0):
+    def submit(self, sequence_id, layer, q=None, kv=None, causal=False, request_id=None, timeout_ms=0, hidden=None,
+               position=None):
+        """One step: q and kv (the kernel-level API), or hidden and optionally position (the
+        layer API). Returns its request id."""
         c = self._client
         rid = next(c._ids) if request_id is None else request_id
-        step, s_q = c._step_message(rid, sequence_id, layer, q, kv, causal, timeout_ms)
+        if hidden is not None:
+            step, s_q = c._layer_step_message(rid, sequence_id, layer, hidden, causal, position, timeout_ms)
+        else:
+            step, s_q = c._step_message(rid, sequence_id, layer, q, kv, causal, timeout_ms)
         with self._lock:
             self._s_q[rid] = s_q
         self._requests.put(latentd_pb2.DecodeRequest(steps=[step]))
