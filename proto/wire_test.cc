@@ -457,5 +457,78 @@ TEST(WireTest, AppendKvRequest) {
   EXPECT_FALSE(ReadAppendKvRequest(&in3, 128, &f).ok());
 }
 
+// The layer API's fields: hidden goes where q goes (never both), position is optional,
+// and a region's layer step carries its hidden offset; AppendKvRequest.hidden.
+TEST(WireTest, LayerStepFields) {
+  v1::DecodeRequest req;
+  v1::DecodeStep* a = req.add_steps();
+  a->set_request_id(1);
+  a->set_sequence_id("s");
+  a->set_hidden(std::string(384, 'h'));
+  a->set_position(0);  // present although 0
+  v1::DecodeStep* b = req.add_steps();
+  b->set_request_id(2);
+  b->set_sequence_id("s");
+  b->set_hidden(std::string(768, 'g'));
+  v1::DecodeStep* c = req.add_steps();
+  c->set_request_id(3);
+  c->set_sequence_id("s");
+  c->mutable_region()->set_s_q(2);
+  c->mutable_region()->set_layer_step(true);
+  c->mutable_region()->set_hidden_offset(4096);
+  c->mutable_region()->set_out_offset(8192);
+  c->mutable_region()->set_position(77);
+  *req.add_steps() = MakeStep(4, "s", 1, 40, 8);
+  v1::DecodeStep* d = req.mutable_steps(3);
+  d->set_hidden(std::string(1000, 'x'));  // over the bound: skipped, size kept
+  const std::string bytes = req.SerializeAsString();
+  StepBounds bounds;
+  bounds.max_q_bytes = 64;
+  bounds.max_kv_bytes = 64;
+  bounds.max_hidden_bytes = 768;
+  auto in = Stream(bytes);
+  DecodeStepReader reader(&in);
+  Buffers buf;
+  StepFields f = buf.Fields();
+  ASSERT_TRUE(*reader.Next(bounds, &f));
+  EXPECT_TRUE(f.has_hidden && f.has_position);
+  EXPECT_EQ(f.position, 0);
+  EXPECT_EQ(f.hidden_bytes, 384);
+  EXPECT_EQ(f.q_bytes, 0);
+  EXPECT_EQ(buf.q, a->hidden());
+  ASSERT_TRUE(*reader.Next(bounds, &f));
+  EXPECT_TRUE(f.has_hidden);
+  EXPECT_FALSE(f.has_position);  // cleared from the step before
+  EXPECT_EQ(buf.q, b->hidden());
+  ASSERT_TRUE(*reader.Next(bounds, &f));
+  EXPECT_FALSE(f.has_hidden);
+  EXPECT_TRUE(f.has_region && f.region_layer_step && f.has_position);
+  EXPECT_EQ(f.region_s_q, 2u);
+  EXPECT_EQ(f.hidden_offset, 4096u);
+  EXPECT_EQ(f.out_offset, 8192u);
+  EXPECT_EQ(f.position, 77);
+  ASSERT_TRUE(*reader.Next(bounds, &f));
+  EXPECT_TRUE(f.has_hidden);
+  EXPECT_FALSE(f.region_layer_step);
+  EXPECT_EQ(f.hidden_bytes, 1000);
+  EXPECT_EQ(f.q_bytes, 40);  // q stays counted: validation refuses a step with both
+  EXPECT_FALSE(*reader.Next(bounds, &f));
+
+  v1::AppendKvRequest up;
+  up.set_sequence_id("s");
+  up.set_hidden(std::string(3000, 'h'));
+  const std::string ub = up.SerializeAsString();
+  std::string id, kv, hidden;
+  AppendFields af;
+  af.sequence_id = &id;
+  af.kv = &kv;
+  af.hidden = &hidden;
+  auto uin = Stream(ub);
+  ASSERT_TRUE(ReadAppendKvRequest(&uin, 128, &af).ok());
+  EXPECT_EQ(af.hidden_bytes, 3000);
+  EXPECT_EQ(hidden, up.hidden());
+  EXPECT_TRUE(kv.empty());
+}
+
 }  // namespace
 }  // namespace latentd::wire

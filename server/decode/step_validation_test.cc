@@ -119,6 +119,70 @@ TEST(StepValidation, RegionStep) {
   ExpectInvalid(ValidateRegionStep(past.f, 0, sh, region), "region.lse_offset");
 }
 
+// Layer steps (DecodeStep.hidden, RegionTensors.layer_step): refused without the layer
+// API, sized by hidden_size, exclusive with q/kv, position bounded.
+TEST(StepValidation, LayerSteps) {
+  StepShape layered = Shape();
+  layered.hidden_row_bytes = 256 * 2;
+  layered.max_positions = 1000;
+  Step s;
+  s.f.has_hidden = true;
+  s.f.hidden_bytes = 3 * 512;
+  EXPECT_TRUE(ValidateByteStep(s.f, 0, layered).ok());
+  const absl::Status plain = ValidateByteStep(s.f, 0, Shape());
+  EXPECT_EQ(plain.code(), absl::StatusCode::kFailedPrecondition) << plain;
+  EXPECT_TRUE(absl::StrContains(plain.message(), "hidden: this daemon serves the kernel-level API only")) << plain;
+  s.f.hidden_bytes = 3 * 512 + 2;
+  ExpectInvalid(ValidateByteStep(s.f, 0, layered), "steps[0] (request_id 7).hidden: 1538 bytes; expected s_q * hidden_size * 2");
+  s.f.hidden_bytes = 5 * 512;  // s_q 5 > max_s_q 4
+  ExpectInvalid(ValidateByteStep(s.f, 0, layered), "1 <= s_q <= 4");
+  s.f.hidden_bytes = 0;
+  ExpectInvalid(ValidateByteStep(s.f, 0, layered), "hidden: 0 bytes");
+  s.f.hidden_bytes = 512;
+  s.f.q_bytes = layered.q_row_bytes;
+  ExpectInvalid(ValidateByteStep(s.f, 0, layered), "q, kv: expected empty when hidden is set");
+  s.f.q_bytes = 0;
+  s.f.has_position = true;
+  s.f.position = 999;
+  EXPECT_TRUE(ValidateByteStep(s.f, 0, layered).ok());
+  s.f.position = 1000;
+  absl::Status far = ValidateByteStep(s.f, 0, layered);
+  EXPECT_EQ(far.code(), absl::StatusCode::kOutOfRange) << far;
+  EXPECT_TRUE(absl::StrContains(far.message(), "position: 1000; expected 0 <= position <= 999")) << far;
+  s.f.position = -1;
+  EXPECT_EQ(ValidateByteStep(s.f, 0, layered).code(), absl::StatusCode::kOutOfRange);
+  // A kernel-level step with a position.
+  Step k;
+  k.f.q_bytes = layered.q_row_bytes;
+  k.f.kv_bytes = layered.kv_row_bytes;
+  k.f.has_position = true;
+  ExpectInvalid(ValidateByteStep(k.f, 0, layered), "position: only for layer steps");
+
+  // In a region: hidden_offset and out_offset of s_q * hidden_size * 2 bytes; not in a CUDA region.
+  const RegionExtent region{true, 1 << 20, 4096};
+  Step r;
+  r.f.has_region = true;
+  r.f.region_s_q = 2;
+  r.f.region_layer_step = true;
+  r.f.hidden_offset = 4096;
+  r.f.out_offset = 8192;
+  EXPECT_TRUE(ValidateRegionStep(r.f, 0, layered, region).ok());
+  r.f.hidden_offset = (1 << 20) - 512;  // one token of two fits
+  ExpectInvalid(ValidateRegionStep(r.f, 0, layered, region), "region.hidden_offset");
+  r.f.hidden_offset = 4097;
+  ExpectInvalid(ValidateRegionStep(r.f, 0, layered, region), "region.hidden_offset: 4097");
+  r.f.hidden_offset = 4096;
+  r.f.out_offset = 0;  // inside the ring
+  ExpectInvalid(ValidateRegionStep(r.f, 0, layered, region), "region.out_offset: 0; expected >= 4096");
+  r.f.out_offset = 8192;
+  RegionExtent cuda = region;
+  cuda.device = true;
+  ExpectInvalid(ValidateRegionStep(r.f, 0, layered, cuda), "region.layer_step: layer steps read and write");
+  EXPECT_EQ(ValidateRegionStep(r.f, 0, Shape(), region).code(), absl::StatusCode::kFailedPrecondition);
+  r.f.has_hidden = true;
+  ExpectInvalid(ValidateRegionStep(r.f, 0, layered, region), "hidden: expected empty when region is set");
+}
+
 TEST(StepValidation, OpenFields) {
   EXPECT_TRUE(CheckOpenFields({}).ok());
   EXPECT_TRUE(CheckOpenFields({1 << 20, false, 0}).ok());
@@ -135,6 +199,8 @@ TEST(StepValidation, RingFlags) {
   EXPECT_TRUE(CheckRingFlags(5, 9, 1, 0).ok());
   ExpectInvalid(CheckRingFlags(5, 9, 2, 0), "ring entry 5 (request_id 9).causal: 2; expected 0 or 1");
   ExpectInvalid(CheckRingFlags(5, 9, 0, 3), "ring entry 5 (request_id 9).trace: 3; expected 0 or 1");
+  ExpectInvalid(CheckRingFlags(5, 9, 0, 0, 2, 0), "ring entry 5 (request_id 9).layer_step: 2; expected 0 or 1");
+  ExpectInvalid(CheckRingFlags(5, 9, 0, 0, 1, 7), "ring entry 5 (request_id 9).has_position: 7; expected 0 or 1");
 }
 
 }  // namespace
