@@ -138,14 +138,19 @@ absl::StatusOr<v1::AppendKvResponse> Client::AppendKvLayers(absl::string_view se
   return AppendKvParts(sequence_id, parts, call);
 }
 
+absl::StatusOr<v1::AppendKvResponse> Client::AppendHidden(absl::string_view sequence_id, int layer,
+                                                          absl::string_view hidden, const CallOptions& call) {
+  return AppendKvParts(sequence_id, {{layer, hidden}}, call, /*hidden=*/true);
+}
+
 absl::StatusOr<v1::AppendKvResponse> Client::AppendKvParts(
     absl::string_view sequence_id, const std::vector<std::pair<int, absl::string_view>>& parts,
-    const CallOptions& call) {
+    const CallOptions& call, bool hidden) {
   grpc::ClientContext ctx;
   Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
   v1::AppendKvResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::AppendKvRequest>> w = stub_->AppendKv(&ctx, &resp);
-  const int64_t row = std::max<int64_t>(shape_.kv_row_bytes, 1);
+  const int64_t row = std::max<int64_t>(hidden ? int64_t{info_.hidden_size()} * 2 : shape_.kv_row_bytes, 1);
   const int64_t chunk = std::max<int64_t>(row, options_.append_chunk_bytes / row * row);
   v1::AppendKvRequest req;
   bool first = true;
@@ -160,7 +165,11 @@ absl::StatusOr<v1::AppendKvResponse> Client::AppendKvParts(
       if (first) req.set_sequence_id(std::string(sequence_id));
       first = false;
       req.set_layer(layer);
-      req.set_kv(piece.data(), piece.size());
+      if (hidden) {
+        req.set_hidden(piece.data(), piece.size());
+      } else {
+        req.set_kv(piece.data(), piece.size());
+      }
       open = w->Write(req);  // false: the server ended the stream; Finish has the status
     } while (open && !kv.empty());
     if (!open) break;
@@ -379,6 +388,10 @@ absl::Status Ring::Submit(const Step* steps, size_t n) {
     e->kv_offset = s.kv_offset;
     e->out_offset = s.out_offset;
     e->lse_offset = s.lse_offset;
+    e->layer_step = s.layer_step ? 1 : 0;
+    e->hidden_offset = s.hidden_offset;
+    e->has_position = s.position >= 0 ? 1 : 0;
+    e->position = s.position >= 0 ? s.position : 0;
     std::memcpy(e->sequence_id, s.sequence_id.data(), s.sequence_id.size());
   }
   tail_ += static_cast<uint32_t>(n);

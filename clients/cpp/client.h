@@ -93,6 +93,10 @@ class Client {
   // Uploads rows [n, h_kv, 576] to one layer in chunks over one AppendKv stream.
   absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv,
                                                 const CallOptions& call = {});
+  // The layer API: hidden states [n, hidden_size] whose latent rows the server computes
+  // and appends to one layer, in chunks over one AppendKv stream.
+  absl::StatusOr<v1::AppendKvResponse> AppendHidden(absl::string_view sequence_id, int layer,
+                                                    absl::string_view hidden, const CallOptions& call = {});
   // Several layers' rows in one AppendKv stream (kv_per_layer[l] may be empty).
   absl::StatusOr<v1::AppendKvResponse> AppendKvLayers(absl::string_view sequence_id,
                                                       const std::vector<absl::string_view>& kv_per_layer,
@@ -131,7 +135,7 @@ class Client {
   void MakeChannel(const ClientOptions& options);
   absl::StatusOr<v1::AppendKvResponse> AppendKvParts(absl::string_view sequence_id,
                                                      const std::vector<std::pair<int, absl::string_view>>& parts,
-                                                     const CallOptions& call);
+                                                     const CallOptions& call, bool hidden = false);
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::DecodeService::Stub> stub_;
@@ -171,6 +175,11 @@ class Ring {
     bool causal = false;
     bool trace = false;  // the completion carries the server's timestamps
     uint64_t q_offset = 0, kv_offset = 0, out_offset = 0, lse_offset = 0;  // as in RegionTensors
+    // A layer step (the layer API): hidden states at hidden_offset, the layer's output
+    // at out_offset; position < 0 leaves it to the server (the layer's length).
+    bool layer_step = false;
+    uint64_t hidden_offset = 0;
+    int64_t position = -1;
   };
   struct Completion {
     uint64_t request_id = 0;
