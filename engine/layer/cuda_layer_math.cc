@@ -123,28 +123,94 @@ absl::Status CublasHandle::Bind(cudaStream_t stream) {
   return absl::OkStatus();
 }
 
+// ---- CudaRopeTable ----
+
+absl::StatusOr<std::shared_ptr<const CudaRopeTable>> CudaRopeTable::Create(const RopeConfig& config,
+                                                                           int max_positions, int device) {
+  absl::StatusOr<Rope> rope = Rope::Create(config, max_positions);
+  if (!rope.ok()) return rope.status();
+  if (config.dim != kRopeDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("qk_rope_head_dim: expected ", kRopeDim, " (one pair per lane of a warp), got ", config.dim));
+  }
+  if (absl::Status s = CheckDevice(device); !s.ok()) return s;
+  DeviceScope scope;
+  if (absl::Status s = scope.Enter(device); !s.ok()) return s;
+  std::shared_ptr<CudaRopeTable> t(new CudaRopeTable());
+  t->config_ = config;
+  t->device_ = device;
+  const int64_t half = static_cast<int64_t>(rope->cos_table().size() * sizeof(float));
+  t->device_bytes_ = 2 * half;
+  if (absl::Status s = Cuda(cudaMalloc(&t->memory_, static_cast<size_t>(t->device_bytes_)), "cudaMalloc (rope table)");
+      !s.ok()) {
+    return s;
+  }
+  float* cos = static_cast<float*>(t->memory_);
+  float* sin = cos + rope->cos_table().size();
+  for (auto [dst, src] : {std::pair{cos, rope->cos_table()}, std::pair{sin, rope->sin_table()}}) {
+    if (absl::Status s = Cuda(cudaMemcpy(dst, src.data(), static_cast<size_t>(half), cudaMemcpyHostToDevice),
+                              "cudaMemcpy (rope table)");
+        !s.ok()) {
+      return s;
+    }
+  }
+  t->table_ = DeviceRopeTable{cos, sin, rope->max_positions(), rope->interleave()};
+  return t;
+}
+
+CudaRopeTable::~CudaRopeTable() {
+  if (memory_ == nullptr) return;
+  DeviceScope scope;
+  if (scope.Enter(device_).ok()) cudaFree(memory_);
+}
+
+bool CudaRopeTable::Matches(const RopeConfig& c, int max_positions) const {
+  if (max_positions != table_.max_positions || c.dim != config_.dim || c.theta != config_.theta ||
+      c.interleave != config_.interleave || c.yarn.has_value() != config_.yarn.has_value()) {
+    return false;
+  }
+  if (!c.yarn.has_value()) return true;
+  const model::YarnScaling &a = *c.yarn, &b = *config_.yarn;
+  return a.factor == b.factor && a.original_max_position_embeddings == b.original_max_position_embeddings &&
+         a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow && a.mscale == b.mscale &&
+         a.mscale_all_dim == b.mscale_all_dim;
+}
+
 // ---- CudaLayerMath ----
 
 absl::StatusOr<std::unique_ptr<CudaLayerMath>> CudaLayerMath::Create(const model::ModelConfig& config,
                                                                      const model::AttentionLayerWeights& weights,
                                                                      const LayerMathOptions& options, int max_tokens,
-                                                                     int device, std::shared_ptr<CublasHandle> blas) {
-  // CpuLayerMath's checks, in its order.
+                                                                     int device, Shared shared) {
+  // CpuLayerMath's checks, in its order: the config, the rotary table (Rope::Create, here
+  // while making the device copy; a shared table was checked when it was made), the weights.
   if (absl::Status s = CheckLayerConfig(config, options); !s.ok()) return s;
-  absl::StatusOr<Rope> rope = Rope::Create(RopeConfig::FromModel(config), options.max_positions);
-  if (!rope.ok()) return rope.status();
+  const RopeConfig rope_config = RopeConfig::FromModel(config);
+  if (shared.rope == nullptr) {
+    absl::StatusOr<std::shared_ptr<const CudaRopeTable>> own =
+        CudaRopeTable::Create(rope_config, options.max_positions, device);
+    if (!own.ok()) return own.status();
+    shared.rope = *std::move(own);
+  } else if (shared.rope->device() != device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope: a table of device ", shared.rope->device(), ", not of device ", device));
+  } else if (!shared.rope->Matches(rope_config, options.max_positions)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rope: the shared table is not this config's for max_positions = ", options.max_positions,
+        " (it has ", shared.rope->max_positions(), " positions; theta, rope_scaling or rope_interleave may differ)"));
+  }
   if (absl::Status s = CheckLayerWeights(config, weights, options); !s.ok()) return s;
   if (max_tokens < 1 || max_tokens > kMaxTokens) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens: expected [1, ", kMaxTokens, "], got ", max_tokens));
   }
   if (absl::Status s = CheckDevice(device); !s.ok()) return s;
-  if (blas == nullptr) {
+  if (shared.blas == nullptr) {
     absl::StatusOr<std::shared_ptr<CublasHandle>> own = CublasHandle::Create(device);
     if (!own.ok()) return own.status();
-    blas = *std::move(own);
-  } else if (blas->device() != device) {
+    shared.blas = *std::move(own);
+  } else if (shared.blas->device() != device) {
     return absl::InvalidArgumentError(
-        absl::StrCat("blas: a cuBLAS handle of device ", blas->device(), ", not of device ", device));
+        absl::StrCat("blas: a cuBLAS handle of device ", shared.blas->device(), ", not of device ", device));
   }
 
   std::unique_ptr<CudaLayerMath> m(new CudaLayerMath());
@@ -160,7 +226,8 @@ absl::StatusOr<std::unique_ptr<CudaLayerMath>> CudaLayerMath::Create(const model
   m->eps_ = static_cast<float>(config.rms_norm_eps);
   m->has_q_lora_ = config.q_lora_rank.has_value();
   m->q_rank_ = config.q_lora_rank.value_or(0);
-  m->blas_ = std::move(blas);
+  m->blas_ = std::move(shared.blas);
+  m->rope_ = std::move(shared.rope);
 
   // One allocation: each piece at a 256-byte offset. First the layout, then the copies.
   struct Piece {
@@ -192,9 +259,6 @@ absl::StatusOr<std::unique_ptr<CudaLayerMath>> CudaLayerMath::Create(const model
   const size_t kv_a_norm = place_weight(weights.kv_a_layernorm);
   const size_t kv_b = place_weight(weights.kv_b_proj);
   const size_t o_proj = place_weight(weights.o_proj);
-  const int64_t table_bytes = static_cast<int64_t>(rope->cos_table().size() * sizeof(float));
-  const size_t cos = place(rope->cos_table().data(), table_bytes);
-  const size_t sin = place(rope->sin_table().data(), table_bytes);
   const size_t q_a_out = place(nullptr, T * m->q_rank_ * e);
   const size_t q_full = place(nullptr, T * h * qk * e);
   const size_t o = place(nullptr, T * h * v * e);
@@ -204,7 +268,7 @@ absl::StatusOr<std::unique_ptr<CudaLayerMath>> CudaLayerMath::Create(const model
   if (absl::Status s = Cuda(cudaMalloc(&m->arena_, static_cast<size_t>(total)), "cudaMalloc (layer weights)"); !s.ok()) {
     return s;
   }
-  m->device_bytes_ = total;
+  m->arena_bytes_ = total;
   char* base = static_cast<char*>(m->arena_);
   for (const Piece& p : pieces) {
     if (p.host == nullptr || p.bytes == 0) continue;
@@ -229,10 +293,6 @@ absl::StatusOr<std::unique_ptr<CudaLayerMath>> CudaLayerMath::Create(const model
   m->kv_a_norm_ = at(kv_a_norm);
   m->kv_b_ = at(kv_b);
   m->o_proj_ = matrix(o_proj, H, h * v);
-  m->rope_.cos = reinterpret_cast<const float*>(at(cos));
-  m->rope_.sin = reinterpret_cast<const float*>(at(sin));
-  m->rope_.max_positions = rope->max_positions();
-  m->rope_.interleave = rope->interleave();
   m->q_a_out_ = at(q_a_out);
   m->q_full_ = at(q_full);
   m->o_ = at(o);
@@ -303,7 +363,7 @@ absl::Status CudaLayerMath::Queries(const uint16_t* x, const int32_t* positions,
   }
   // RoPE(q_pe) from q_full into the last 64 values of each head of q.
   return Kernel(LaunchRope(dtype_, q_full_ + nope_, int64_t{heads_} * qk, qk, q + kLatentRank,
-                           int64_t{heads_} * kernels::kHeadDimQK, kernels::kHeadDimQK, n, heads_, positions, rope_,
+                           int64_t{heads_} * kernels::kHeadDimQK, kernels::kHeadDimQK, n, heads_, positions, rope_->table(),
                            stream),
                 "q rope kernel");
 }
@@ -317,7 +377,7 @@ absl::Status CudaLayerMath::LatentRows(const uint16_t* x, const int32_t* positio
   // kv_a_proj_with_mqa writes [c | k_pe] into the rows themselves, then one kernel normalises
   // c and rotates k_pe in place.
   if (absl::Status s = Linear(x, n, kv_a_, rows, false); !s.ok()) return s;
-  return Kernel(LaunchLatentNormRope(dtype_, rows, n, kv_a_norm_, eps_, positions, rope_, stream),
+  return Kernel(LaunchLatentNormRope(dtype_, rows, n, kv_a_norm_, eps_, positions, rope_->table(), stream),
                 "latent norm and rope kernel");
 }
 

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "engine/layer/cuda/layer_kernels.h"
 #include "engine/layer/layer_config.h"
+#include "engine/layer/rope.h"
 #include "engine/model/config.h"
 #include "engine/model/weights.h"
 #include "kernels/params.h"
@@ -57,10 +58,41 @@ class CublasHandle {
   bool bound_ = false;
 };
 
+// A device copy of one Rope table (rope.h), which every layer of a model can share: they all
+// rotate alike. Immutable after Create.
+class CudaRopeTable {
+ public:
+  // Rope::Create's INVALID_ARGUMENT errors; INVALID_ARGUMENT naming qk_rope_head_dim (other
+  // than 64) or device; RESOURCE_EXHAUSTED or INTERNAL from CUDA.
+  static absl::StatusOr<std::shared_ptr<const CudaRopeTable>> Create(const RopeConfig& config, int max_positions,
+                                                                     int device);
+  ~CudaRopeTable();
+  CudaRopeTable(const CudaRopeTable&) = delete;
+  CudaRopeTable& operator=(const CudaRopeTable&) = delete;
+
+  const DeviceRopeTable& table() const { return table_; }
+  const RopeConfig& config() const { return config_; }
+  int max_positions() const { return table_.max_positions; }
+  int device() const { return device_; }
+  // cos and sin, [max_positions, 32] float32 each: 42 MB at DeepSeek-V3's 163840 positions.
+  int64_t device_bytes() const { return device_bytes_; }
+  // Whether this table is the one Rope::Create(config, max_positions) makes.
+  bool Matches(const RopeConfig& config, int max_positions) const;
+
+ private:
+  CudaRopeTable() = default;
+
+  RopeConfig config_;
+  DeviceRopeTable table_;
+  int device_ = 0;
+  void* memory_ = nullptr;
+  int64_t device_bytes_ = 0;
+};
+
 // One layer's projections on one device. Weights are copied to the device once at Create in
 // the model dtype (bf16/fp16 as the checkpoint has them; kv_b_proj stays whole and W_UK /
-// W_UV are strided views of it), next to a device copy of the Rope table and scratch for up
-// to max_tokens tokens; a call allocates nothing and never synchronizes: it enqueues cuBLAS
+// W_UV are strided views of it), with scratch for up to max_tokens tokens and a device copy
+// of the Rope table (its own, or one the model's layers share); a call allocates nothing and never synchronizes: it enqueues cuBLAS
 // GEMMs (fp32 accumulation, CUBLAS_COMPUTE_32F, output written in the model dtype, so the
 // GEMM's epilogue is the rounding after each Linear) and a few small kernels on `stream`,
 // and returns. Every tensor is a device pointer, row-major, in the model dtype.
@@ -81,15 +113,21 @@ class CublasHandle {
 // device either. The device of Create is made current for the call and restored afterwards.
 class CudaLayerMath {
  public:
+  // What the layers of one model on one device can share; a null member gets one of its own.
+  struct Shared {
+    std::shared_ptr<CublasHandle> blas;
+    std::shared_ptr<const CudaRopeTable> rope;
+  };
+
   // CpuLayerMath::Create's INVALID_ARGUMENT errors (layer_config.h, Rope::Create), and
-  // INVALID_ARGUMENT naming max_tokens (outside [1, 65536]), device (no such device) or blas
-  // (on another device); RESOURCE_EXHAUSTED when device memory runs out; INTERNAL naming a
-  // failed CUDA or cuBLAS call. A null `blas` gets a handle of its own.
+  // INVALID_ARGUMENT naming max_tokens (outside [1, 65536]), device (no such device), blas (on
+  // another device) or rope (on another device, or not this config's table for
+  // max_positions); RESOURCE_EXHAUSTED when device memory runs out; INTERNAL naming a failed
+  // CUDA or cuBLAS call. Weights are copied with synchronous cudaMemcpy from pageable memory.
   static absl::StatusOr<std::unique_ptr<CudaLayerMath>> Create(const model::ModelConfig& config,
                                                                const model::AttentionLayerWeights& weights,
                                                                const LayerMathOptions& options, int max_tokens,
-                                                               int device,
-                                                               std::shared_ptr<CublasHandle> blas = nullptr);
+                                                               int device, Shared shared = {});
   ~CudaLayerMath();
   CudaLayerMath(const CudaLayerMath&) = delete;
   CudaLayerMath& operator=(const CudaLayerMath&) = delete;
@@ -99,14 +137,16 @@ class CudaLayerMath {
   int hidden_size() const { return hidden_; }
   int num_heads() const { return heads_; }
   int max_tokens() const { return max_tokens_; }
-  int max_positions() const { return rope_.max_positions; }
+  int max_positions() const { return rope_->max_positions(); }
   int device() const { return device_; }
   kernels::DType dtype() const { return dtype_; }
   const std::shared_ptr<CublasHandle>& blas() const { return blas_; }
+  const std::shared_ptr<const CudaRopeTable>& rope() const { return rope_; }
 
-  // Device memory this object holds: weights + rope table + scratch (not the CublasHandle's
-  // workspace, which may be shared: blas()->workspace_bytes()).
-  int64_t device_bytes() const { return device_bytes_; }
+  // Device memory this layer uses: weights + rope table + scratch. The rope table counts in
+  // full even when shared (rope()->device_bytes() of it); the CublasHandle's workspace does
+  // not count (blas()->workspace_bytes()).
+  int64_t device_bytes() const { return arena_bytes_ + rope_->device_bytes(); }
   // The weights alone, every byte of which each set of calls reads once (Queries reads q_a_proj,
   // q_b_proj or q_proj and W_UK; LatentRows kv_a_proj_with_mqa; Output W_UV and o_proj).
   int64_t weight_bytes() const { return weight_bytes_; }
@@ -143,14 +183,14 @@ class CudaLayerMath {
   float eps_ = 0;
   bool has_q_lora_ = false;
   std::shared_ptr<CublasHandle> blas_;
+  std::shared_ptr<const CudaRopeTable> rope_;
 
-  void* arena_ = nullptr;  // one cudaMalloc holding everything below
-  int64_t device_bytes_ = 0, weight_bytes_ = 0;
+  void* arena_ = nullptr;  // one cudaMalloc holding the weights and the scratch below
+  int64_t arena_bytes_ = 0, weight_bytes_ = 0;
   Matrix q_a_, q_b_, q_proj_, kv_a_, o_proj_;
   const uint16_t* q_a_norm_ = nullptr;   // [q_lora_rank]
   const uint16_t* kv_a_norm_ = nullptr;  // [512]
   const uint16_t* kv_b_ = nullptr;       // [h * (nope + v), 512]: per head W_UK's nope rows, then W_UV's v rows
-  DeviceRopeTable rope_;
 
   // Scratch for max_tokens tokens, model dtype.
   uint16_t* q_a_out_ = nullptr;  // [n, q_lora_rank]

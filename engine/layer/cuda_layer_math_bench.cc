@@ -148,9 +148,13 @@ void Run(int h, DType dt, int n, int iters, int warmup, int device, int max_posi
   CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
   absl::StatusOr<std::shared_ptr<CublasHandle>> blas = CublasHandle::Create(device);
   CHECK_OK(blas.status());
+  absl::StatusOr<std::shared_ptr<const CudaRopeTable>> rope =
+      CudaRopeTable::Create(RopeConfig::FromModel(config), max_positions, device);
+  CHECK_OK(rope.status());
   std::vector<std::unique_ptr<CudaLayerMath>> layers;
   do {
-    absl::StatusOr<std::unique_ptr<CudaLayerMath>> m = CudaLayerMath::Create(config, w, options, n, device, *blas);
+    absl::StatusOr<std::unique_ptr<CudaLayerMath>> m =
+        CudaLayerMath::Create(config, w, options, n, device, {*blas, *rope});
     CHECK_OK(m.status());
     layers.push_back(*std::move(m));
   } while (layers.size() * layers[0]->weight_bytes() < 4 * static_cast<int64_t>(l2));
