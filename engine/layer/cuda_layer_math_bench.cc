@@ -1,6 +1,7 @@
 // Times CudaLayerMath's calls at DeepSeek-V3's attention shapes (hidden 7168, q_lora_rank 1536,
 // kv_lora_rank 512, heads 128 or a TP8 rank's 16) with random weights: per-call microseconds
-// from CUDA events over many iterations, and the bandwidth over the weight bytes each call reads.
+// from CUDA events over many iterations, enqueued directly and replayed from a CUDA graph, and
+// the bandwidth over the weight bytes each call reads.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -184,27 +185,58 @@ void Run(int h, DType dt, int n, int iters, int warmup, int device, int max_posi
   CHECK_CUDA(cudaEventCreate(&stop));
 
   enum Call { kQueries = 1, kRows = 2, kOutput = 4 };
-  auto enqueue = [&](int calls, int i) {
+  auto enqueue = [&](int calls, int i) -> absl::Status {
     CudaLayerMath& m = *layers[i % layers.size()];
-    if (calls & kQueries) CHECK_OK(m.Queries(x, positions, n, q, stream));
-    if (calls & kRows) CHECK_OK(m.LatentRows(x, positions, n, rows, stream));
-    if (calls & kOutput) CHECK_OK(m.Output(latent, n, out, stream));
+    absl::Status s;
+    if (s.ok() && (calls & kQueries)) s = m.Queries(x, positions, n, q, stream);
+    if (s.ok() && (calls & kRows)) s = m.LatentRows(x, positions, n, rows, stream);
+    if (s.ok() && (calls & kOutput)) s = m.Output(latent, n, out, stream);
+    return s;
   };
-  auto time_us = [&](int calls) {
-    for (int i = 0; i < warmup; ++i) enqueue(calls, i);
+  auto elapsed_us = [&](auto&& launch) {
     CHECK_CUDA(cudaEventRecord(start, stream));
-    for (int i = 0; i < iters; ++i) enqueue(calls, i);
+    launch();
     CHECK_CUDA(cudaEventRecord(stop, stream));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float ms = 0;
     CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
     return 1000.0 * ms / iters;
   };
+  // Calls enqueued one after another: what a caller pays, host launch costs included.
+  auto time_stream_us = [&](int calls) {
+    for (int i = 0; i < warmup; ++i) CHECK_OK(enqueue(calls, i));
+    return elapsed_us([&] {
+      for (int i = 0; i < iters; ++i) CHECK_OK(enqueue(calls, i));
+    });
+  };
+  // The same iterations captured once into a CUDA graph and replayed: the device's time
+  // alone. Capture also fails if a call synchronizes. Negative when capture fails.
+  auto time_graph_us = [&](int calls) -> double {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1;
+    absl::Status captured;
+    for (int i = 0; i < iters && captured.ok(); ++i) captured = enqueue(calls, i);
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    if (!captured.ok() || end != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+      std::fprintf(stderr, "graph capture failed: %s / %s\n", captured.ToString().c_str(), cudaGetErrorString(end));
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      return -1;
+    }
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));  // warm-up
+    const double us = elapsed_us([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    return us;
+  };
 
-  std::printf("h=%d n=%d %s: weights %.1fM params (%.1f MB), device bytes %.1f MB per layer, %zu copies cycled "
-              "(L2 %.0f MB)\n",
+  std::printf("h=%d n=%d %s: weights %.1fM params (%.1f MB), device bytes %.1f MB per layer (rope table %.1f MB of "
+              "it, shared), %zu copies cycled (L2 %.0f MB)\n",
               h, n, kernels::DTypeName(dt), m0.weight_bytes() / 2 / 1e6, m0.weight_bytes() / 1e6,
-              m0.device_bytes() / 1e6, layers.size(), l2 / 1e6);
+              m0.device_bytes() / 1e6, (*rope)->device_bytes() / 1e6, layers.size(), l2 / 1e6);
+  std::printf("  %-10s %12s %10s   %12s %10s   %s\n", "call", "stream us", "GB/s", "graph us", "GB/s",
+              "weight bytes read");
   struct Row {
     const char* name;
     int calls;
@@ -213,9 +245,9 @@ void Run(int h, DType dt, int n, int iters, int warmup, int device, int max_posi
   for (const Row& row : {Row{"Queries", kQueries, q_bytes}, Row{"LatentRows", kRows, rows_bytes},
                          Row{"Output", kOutput, out_bytes},
                          Row{"all three", kQueries | kRows | kOutput, q_bytes + rows_bytes + out_bytes}}) {
-    const double us = time_us(row.calls);
-    std::printf("  %-10s %9.1f us  %7.1f GB/s over %7.1f MB of weights\n", row.name, us, row.bytes / (us * 1e3),
-                row.bytes / 1e6);
+    const double us = time_stream_us(row.calls), graph_us = time_graph_us(row.calls);
+    std::printf("  %-10s %12.1f %10.1f   %12.1f %10.1f   %.1f MB\n", row.name, us, row.bytes / (us * 1e3), graph_us,
+                graph_us > 0 ? row.bytes / (graph_us * 1e3) : 0.0, row.bytes / 1e6);
   }
   CHECK_CUDA(cudaGetLastError());
 
