@@ -13,7 +13,7 @@ dest=$1
 shift
 mkdir -p "$dest/bin" "$dest/lib"
 # Libraries every host provides (or must provide itself, like the driver).
-host_provided='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda|libnvidia|libcublas)\.'
+host_provided='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda|libnvidia|libcublas|libcublasLt)\.'
 for binary in "$@"; do
   if [[ ! -f $binary ]]; then
     echo "bundle: $binary: no such file" >&2

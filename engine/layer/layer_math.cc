@@ -20,34 +20,10 @@ float* Grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) absl::StrAppend(&s, i ? ", " : "", shape[i]);
-  return s + "]";
-}
-
-// Checks a weight's shape and value count and converts it to float32.
-absl::Status ToFloat(const model::HostTensor& t, const char* field, std::vector<int64_t> shape, DType dtype,
-                     std::vector<float>& out) {
-  const std::string name = t.name.empty() ? std::string(field) : absl::StrCat(field, " (", t.name, ")");
-  if (t.shape != shape) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": expected shape ", ShapeString(shape), ", got ", ShapeString(t.shape)));
-  }
-  int64_t count = 1;
-  for (int64_t d : shape) count *= d;
-  if (static_cast<int64_t>(t.values.size()) != count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": expected ", count, " values for shape ", ShapeString(shape), ", got ", t.values.size()));
-  }
-  out.resize(static_cast<size_t>(count));
+// Converts a weight CheckLayerWeights accepted to float32.
+void ToFloat(const model::HostTensor& t, DType dtype, std::vector<float>& out) {
+  out.resize(t.values.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::HalfToFloat(dtype, t.values[i]);
-  return absl::OkStatus();
-}
-
-absl::Status Positive(const char* field, int64_t v) {
-  if (v >= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected >= 1, got ", v));
 }
 
 }  // namespace
@@ -55,28 +31,7 @@ absl::Status Positive(const char* field, int64_t v) {
 absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::ModelConfig& config,
                                                                    const model::AttentionLayerWeights& weights,
                                                                    const LayerMathOptions& options) {
-  // The decode kernel's row is 512 latent + 64 rope values; other widths would need another kernel.
-  if (config.kv_lora_rank != kLatentRank) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_lora_rank: expected ", kLatentRank,
-                                                   " (the decode kernel's latent width), got ", config.kv_lora_rank));
-  }
-  if (config.qk_rope_head_dim != kRopeDim) {
-    return absl::InvalidArgumentError(absl::StrCat("qk_rope_head_dim: expected ", kRopeDim,
-                                                   " (the decode kernel's rope width), got ", config.qk_rope_head_dim));
-  }
-  for (absl::Status s :
-       {Positive("hidden_size", config.hidden_size), Positive("qk_nope_head_dim", config.qk_nope_head_dim),
-        Positive("v_head_dim", config.v_head_dim), Positive("q_lora_rank", config.q_lora_rank.value_or(1))}) {
-    if (!s.ok()) return s;
-  }
-  if (options.num_heads < 1 || options.num_heads > config.num_attention_heads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_heads: expected [1, num_attention_heads = ", config.num_attention_heads, "], got ", options.num_heads));
-  }
-  if (!(config.rms_norm_eps >= 0) || !std::isfinite(config.rms_norm_eps)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rms_norm_eps: expected a finite number >= 0, got ", config.rms_norm_eps));
-  }
+  if (absl::Status s = CheckLayerConfig(config, options); !s.ok()) return s;
   std::shared_ptr<const Rope> table = options.rope;
   if (table == nullptr) {
     absl::StatusOr<Rope> rope = Rope::Create(RopeConfig::FromModel(config), options.max_positions);
@@ -88,8 +43,7 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
   auto shared = std::make_shared<Weights>();
   Weights& w = *shared;
   const DType dt = config.dtype;
-  const int64_t H = config.hidden_size, h = options.num_heads, nope = config.qk_nope_head_dim, v = config.v_head_dim,
-                qk = nope + kRopeDim;
+  const int64_t h = options.num_heads, nope = config.qk_nope_head_dim, v = config.v_head_dim;
   m->dtype_ = dt;
   m->hidden_ = config.hidden_size;
   m->heads_ = options.num_heads;
@@ -98,30 +52,25 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
   m->eps_ = static_cast<float>(config.rms_norm_eps);
   m->has_q_lora_ = config.q_lora_rank.has_value();
 
-  auto matrix = [&](const model::HostTensor& t, const char* field, int64_t rows, int64_t cols,
-                    Matrix& out) -> absl::Status {
-    out.rows = static_cast<int>(rows);
-    out.cols = static_cast<int>(cols);
-    return ToFloat(t, field, {rows, cols}, dt, out.values);
+  if (absl::Status s = CheckLayerWeights(config, weights, options); !s.ok()) return s;
+  auto matrix = [&](const model::HostTensor& t, Matrix& out) {
+    out.rows = static_cast<int>(t.shape[0]);
+    out.cols = static_cast<int>(t.shape[1]);
+    ToFloat(t, dt, out.values);
   };
-  std::vector<absl::Status> checks;
   if (m->has_q_lora_) {
-    const int64_t rq = *config.q_lora_rank;
-    m->q_rank_ = static_cast<int>(rq);
-    checks.push_back(matrix(weights.q_a_proj, "q_a_proj", rq, H, w.q_a));
-    checks.push_back(ToFloat(weights.q_a_layernorm, "q_a_layernorm", {rq}, dt, w.q_a_norm));
-    checks.push_back(matrix(weights.q_b_proj, "q_b_proj", h * qk, rq, w.q_b));
+    m->q_rank_ = *config.q_lora_rank;
+    matrix(weights.q_a_proj, w.q_a);
+    ToFloat(weights.q_a_layernorm, dt, w.q_a_norm);
+    matrix(weights.q_b_proj, w.q_b);
   } else {
-    checks.push_back(matrix(weights.q_proj, "q_proj", h * qk, H, w.q_proj));
+    matrix(weights.q_proj, w.q_proj);
   }
-  checks.push_back(matrix(weights.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", kLatentRank + kRopeDim, H, w.kv_a));
-  checks.push_back(ToFloat(weights.kv_a_layernorm, "kv_a_layernorm", {kLatentRank}, dt, w.kv_a_norm));
-  checks.push_back(matrix(weights.o_proj, "o_proj", H, h * v, w.o_proj));
+  matrix(weights.kv_a_proj_with_mqa, w.kv_a);
+  ToFloat(weights.kv_a_layernorm, dt, w.kv_a_norm);
+  matrix(weights.o_proj, w.o_proj);
   std::vector<float> kv_b;
-  checks.push_back(ToFloat(weights.kv_b_proj, "kv_b_proj", {h * (nope + v), kLatentRank}, dt, kv_b));
-  for (const absl::Status& s : checks) {
-    if (!s.ok()) return s;
-  }
+  ToFloat(weights.kv_b_proj, dt, kv_b);
 
   // kv_b_proj is [h * (nope + v), 512], per head nope rows of W_UK then v rows of W_UV; both are
   // copied out contiguously so each head's GEMM reads one dense [rows, 512] block.

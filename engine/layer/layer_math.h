@@ -11,23 +11,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "engine/layer/layer_config.h"
 #include "engine/layer/rope.h"
 #include "engine/model/config.h"
 #include "engine/model/weights.h"
 #include "kernels/params.h"
 
 namespace latentd::engine::layer {
-
-inline constexpr int kLatentRank = kernels::kHeadDimV;                     // kv_lora_rank the kernel reads: 512
-inline constexpr int kRopeDim = kernels::kHeadDimQK - kernels::kHeadDimV;  // qk_rope_head_dim: 64
-
-struct LayerMathOptions {
-  int num_heads = 0;      // this rank's heads (AttentionWeights::num_heads)
-  int max_positions = 0;  // positions [0, max_positions) have a rotary table entry
-  // A rotary table to share (every layer of a model has the same one; DeepSeek-V3's is
-  // 42 MB): used instead of building one when set, and then max_positions is its own.
-  std::shared_ptr<const Rope> rope;
-};
 
 // One layer's projections in float32 through OpenBLAS's sgemm. The weights are converted to
 // float32 once (twice the bytes of the checkpoint's bf16/fp16) and W_UK / W_UV are split out of
@@ -49,7 +39,8 @@ class CpuLayerMath {
   // INVALID_ARGUMENT naming the field: kv_lora_rank other than 512 or qk_rope_head_dim other
   // than 64 (the decode kernel's row), a non-positive dimension, num_heads outside
   // [1, num_attention_heads], max_positions outside [1, Rope::kMaxPositions], or a weight whose
-  // shape or value count is not the one config.json implies for num_heads heads.
+  // shape or value count is not the one config.json implies for num_heads heads
+  // (layer_config.h).
   static absl::StatusOr<std::unique_ptr<CpuLayerMath>> Create(const model::ModelConfig& config,
                                                               const model::AttentionLayerWeights& weights,
                                                               const LayerMathOptions& options);

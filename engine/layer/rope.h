@@ -51,6 +51,10 @@ class Rope {
   // second half), attention factor included, float32.
   float Cos(int position, int i) const { return cos_[static_cast<size_t>(position) * half_ + i]; }
   float Sin(int position, int i) const { return sin_[static_cast<size_t>(position) * half_ + i]; }
+  // The whole tables, [max_positions, dim / 2] row-major (Cos(p, i) at p * dim / 2 + i), for
+  // copies to another device.
+  absl::Span<const float> cos_table() const { return cos_; }
+  absl::Span<const float> sin_table() const { return sin_; }
 
   // Rotates x (dim values) in place for `position`. Interleaved input is read as pairs
   // (x0, x1), (x2, x3), ... and written the way HF's apply_rotary_pos_emb leaves it, de-interleaved:
