@@ -12,6 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "engine/attention_backend.h"
 #include "engine/engine.h"
 #include "engine/layer/layer_math.h"
 #include "engine/model/config.h"
@@ -63,9 +64,16 @@ Loaded Load(const mt::TinyModelSpec& spec, const std::string& name) {
           std::make_shared<const model::AttentionWeights>(*std::move(w))};
 }
 
+#ifdef LATENTD_TEST_CUDA
+constexpr BackendKind kLayeredBackend = BackendKind::kCuda;
+#else
+constexpr BackendKind kLayeredBackend = BackendKind::kCpu;
+#endif
+
+// The engine under test runs on kLayeredBackend; the hand-driven one always on the CPU.
 EngineOptions Options(const Loaded& m, bool with_weights) {
   EngineOptions o;
-  o.backend = BackendKind::kCpu;
+  o.backend = with_weights ? kLayeredBackend : BackendKind::kCpu;
   o.model.num_layers = m.config->num_hidden_layers;
   o.model.num_heads_q = m.weights->num_heads;
   o.model.num_heads_kv = 1;
@@ -207,7 +215,14 @@ void MakeLayerStep(LayerStep* p, const std::string& id, int layer, std::vector<u
   p->step.callback = cb;
 }
 
-class LayerStageTest : public ::testing::TestWithParam<std::tuple<mt::WeightFormat, bool>> {};
+class LayerStageTest : public ::testing::TestWithParam<std::tuple<mt::WeightFormat, bool>> {
+ protected:
+  void SetUp() override {
+#ifdef LATENTD_TEST_CUDA
+    if (!CudaDevicePresent()) GTEST_SKIP() << "no CUDA device";
+#endif
+  }
+};
 
 TEST_P(LayerStageTest, StepsAndUploadsMatchTheLayerDrivenByHand) {
   const auto [format, q_lora] = GetParam();
