@@ -58,6 +58,15 @@ class AttentionBackend {
         "open_region_bytes");
   }
   virtual void CloseDeviceMemory(const DeviceMemory& memory) {}
+
+  // For work queued around a batch's own (the CUDA layer stage's projections), as
+  // cudaStream_t / cudaEvent_t: the stream kernels run on, the stream the inputs' copies
+  // run on, the device, and an event recorded once the batch's results are written
+  // (device-direct outputs included; valid after Launch). Null on the CPU backend.
+  virtual void* compute_stream() { return nullptr; }
+  virtual void* input_stream() { return nullptr; }
+  virtual int device() const { return 0; }
+  virtual void* results_event(const Batch& batch) { return nullptr; }
 };
 
 // kCpu always works; kCuda fails without a device or without CUDA support built in;

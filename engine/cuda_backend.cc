@@ -212,6 +212,11 @@ class CudaBackend final : public AttentionBackend {
   }
   const kv::KvCacheConfig& kv_config() const override { return config_; }
 
+  void* compute_stream() override { return stream_; }
+  void* input_stream() override { return copy_stream_; }
+  int device() const override { return o_.device; }
+  void* results_event(const Batch& batch) override { return slots_[batch.slot].done; }
+
   void Stage(Batch& batch) override {
     Slot& s = slots_[batch.slot];
     const int h_q = o_.model.num_heads_q;

@@ -720,6 +720,7 @@ class EngineImpl final : public Engine {
         Stage(batch);
         batch.launched_at = absl::Now();
         backend_->Launch(batch);
+        if (layer_ != nullptr) layer_->AfterLaunch(batch);
         slot ^= 1;
       }
       if (inflight != nullptr) Finish(*inflight);
@@ -803,14 +804,23 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (o.max_batch_tokens < o.max_s_q)
     return absl::InvalidArgumentError("max_batch_tokens: expected >= max_s_q");
   if (o.max_queue < 1) return absl::InvalidArgumentError("max_queue: expected >= 1");
+  // The backend the engine will run: the layer stage's weights go where its math runs,
+  // and on the GPU they are allocated before the KV pool takes its share of what is free.
+  const BackendKind kind =
+      o.backend == BackendKind::kAuto ? (CudaDevicePresent() ? BackendKind::kCuda : BackendKind::kCpu) : o.backend;
   std::unique_ptr<LayerStage> layer;
   if (o.layer_weights != nullptr || o.layer_config != nullptr) {
-    auto st = LayerStage::Create(o);
+    auto st = LayerStage::Create(o, kind == BackendKind::kCuda);
     if (!st.ok()) return st.status();
     layer = *std::move(st);
   }
-  auto backend = MakeBackend(o.backend, o);  // BackendOptions is EngineOptions
+  auto backend = MakeBackend(kind, o);  // BackendOptions is EngineOptions
   if (!backend.ok()) return backend.status();
+  if (layer != nullptr) {
+    if (absl::Status st = layer->Attach(backend->get()); !st.ok()) return st;
+  }
+  // The stage holds the weights in its own form now; the options' copy is not kept.
+  o.layer_weights.reset();
   return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend), std::move(layer)));
 }
 
