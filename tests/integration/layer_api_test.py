@@ -45,7 +45,18 @@ class History:
         return h
 
 
+def weight_bytes(spec, heads):
+    """What the CPU backend holds for a rank of `heads` heads: every layer's projections
+    and norms in float32 (kv_b_proj as its W_UK and W_UV halves)."""
+    H, rq = spec.hidden_size, spec.q_lora_rank
+    q = rq * H + rq + heads * spec.qk * rq if rq else heads * spec.qk * H
+    kv = (512 + 64) * H + 512 + heads * (spec.qk_nope_head_dim + spec.v_head_dim) * 512
+    return 4 * spec.num_layers * (q + kv + H * heads * spec.v_head_dim)
+
+
 class Stats:
+    """A variant's errors per output and its softmax's sharpness, for the summary."""
+
     def __init__(self, dtype):
         self.limits = LIMITS[dtype]
         self.max_rel, self.rms_rel, self.max_p = [], [], []
@@ -121,9 +132,9 @@ class LayerCase:
             st["position"] = position
         return st
 
-    def new_sequences(self, prefixes, client=None):
+    def new_sequences(self, prefixes):
         """Sequences with prefixes uploaded by append_hidden on every layer: [(id, History)]."""
-        c = client or self.client
+        c = self.client
         L = self.spec.num_layers
         out = []
         for n in prefixes:
@@ -149,7 +160,7 @@ class LayerCase:
         self.assertEqual(info.num_heads_kv, 1)
         self.assertEqual(info.tensor_parallel, 1)
         self.assertEqual(info.tensor_rank, 0)
-        self.assertGreater(info.weight_bytes, 0)
+        self.assertEqual(info.weight_bytes, weight_bytes(s, s.num_heads))
         self.assertEqual(info.dtype, latentd_pb2.BF16 if s.dtype == "bf16" else latentd_pb2.FP16)
         self.assertAlmostEqual(info.softmax_scale, softmax_scale(s), delta=1e-6 * softmax_scale(s))
 
@@ -189,20 +200,28 @@ class LayerCase:
         info = self.client.get_sequence(seqs[3][0])
         self.assertEqual(list(info.lengths), [len(seqs[3][1].x[l]) for l in range(L)])
 
-        # Fork sequence 1 (130 + 4 rounds of tokens: shared pages, one partly filled).
+        # Fork sequence 1 (its 64-token prefix and 4 rounds' tokens: a whole page shared,
+        # and one partly filled that the branches' next rows copy on write).
+        everyone = [seq for seq, _ in seqs]
         parent, phist = seqs[1]
         child = self.client.fork_sequence(parent)
-        seqs = [(parent, phist), (child, phist.copy())]
+        everyone.append(child)
+        chist = phist.copy()
+        seqs = [(parent, phist), (child, chist)]
+        # An upload to the child alone writes into the page it shares with the parent.
+        x = self.hidden(3)
+        self.client.append_hidden(child, {1: x})
+        chist.append(1, x)
         for r in range(4, 7):
             round_(r)
         for seq, hist in seqs:
             self.assertEqual(list(self.client.get_sequence(seq).lengths), [len(hist.x[l]) for l in range(L)])
-        for seq, _ in [(parent, None), (child, None)]:
+        for seq in everyone:
             self.client.release_sequence(seq)
 
     def test_position_and_size_errors(self):
         (seq, hist), = self.new_sequences([3])
-        H, maxp = self.spec.hidden_size, self.spec.max_position_embeddings
+        maxp = self.spec.max_position_embeddings
         x1 = to_bits(self.hidden(1), self.spec.dtype).tobytes()
         x2 = to_bits(self.hidden(2), self.spec.dtype).tobytes()
         outs = self.run_steps([
@@ -222,7 +241,7 @@ class LayerCase:
         self.assertEqual(list(self.client.get_sequence(seq).lengths), [3, 3])
         x = self.hidden(2)
         hist.append(0, x, maxp - 2)
-        [o] = self.run_steps([dict(sequence_id=seq, layer=0, hidden=x, causal=True, position=maxp - 2)])
+        [o] = self.client.decode([dict(sequence_id=seq, layer=0, hidden=x, causal=True, position=maxp - 2)])
         self.assertTrue(o.ok, o.message)
         self.check_output(o.out, hist, 0, 2, what="last positions")
         # An upload of the wrong size.
@@ -231,6 +250,73 @@ class LayerCase:
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("hidden", e.exception.message)
         self.client.release_sequence(seq)
+
+    def test_prefix_cache(self):
+        """A second sequence with the same page keys finds the first one's full pages
+        (uploaded as hidden states) and attends over them."""
+        c = self.client
+        tokens = [int(t) for t in self.rng.integers(0, 50000, 150)]
+        keys = latentd_client.page_keys(tokens, salt=self.name)
+        first, present = c.create_sequence_with_prefix(keys)
+        self.assertEqual(present, 0)
+        hist = History(self.spec.num_layers, self.spec.hidden_size)
+        xs = {layer: self.hidden(150) for layer in range(self.spec.num_layers)}
+        c.append_hidden(first, xs)
+        for layer, x in xs.items():
+            hist.append(layer, x)
+        second, present = c.create_sequence_with_prefix(keys)
+        self.assertEqual(present, 128)
+        other = History(self.spec.num_layers, self.spec.hidden_size)
+        tail = {}
+        for layer in range(self.spec.num_layers):
+            other.append(layer, hist.x[layer][:128])
+            tail[layer] = self.hidden(22)  # the second sequence's own last tokens
+            other.append(layer, tail[layer])
+        c.append_hidden(second, tail)
+        steps, checks = [], []
+        for seq, hst in ((first, hist), (second, other)):
+            for layer in range(self.spec.num_layers):
+                steps.append(self.step(hst, seq, layer, 2))
+                checks.append((hst, layer))
+        for o, (hst, layer) in zip(self.run_steps(steps), checks):
+            self.assertTrue(o.ok, o.message)
+            self.check_output(o.out, hst, layer, 2, what="prefix cache")
+        c.release_sequence(first)
+        c.release_sequence(second)
+
+    def test_kernel_steps_beside_layer_steps(self):
+        """Kernel-level steps (q and kv rows from the client) still work on a layer-API
+        daemon, in the same DecodeRequest as layer steps of max_s_q tokens."""
+        c = self.client
+        info, h = c.info, self.spec.num_heads
+        (seq, hist), = self.new_sequences([20])
+        kseq = c.create_sequence()
+        rng = np.random.default_rng(self.seed)
+
+        def rand(*shape):
+            return c.unwire(c.wire(rng.uniform(-1, 1, shape)), shape)
+
+        rows = {layer: rand(30 + 40 * layer, 1, 576) for layer in range(2)}
+        c.append_kv(kseq, rows)
+        steps, kernel = [], []
+        for layer in range(2):
+            q, kv = rand(2, h, 576), rand(2, 1, 576)
+            rows[layer] = np.concatenate([rows[layer], kv])
+            kernel.append((q, rows[layer]))
+            steps.append(dict(sequence_id=kseq, layer=layer, q=q, kv=kv, causal=True))
+            steps.append(self.step(hist, seq, layer, info.max_s_q))
+        outs = self.run_steps(steps)
+        for layer in range(2):
+            ko, lo = outs[2 * layer], outs[2 * layer + 1]
+            self.assertTrue(ko.ok, ko.message)
+            self.assertTrue(lo.ok, lo.message)
+            q, r = kernel[layer]
+            ref, ref_lse = latentd_client.reference_decode(q, r, info.softmax_scale, causal=True)
+            self.assertLess(np.abs(ko.out - ref).max(), 2e-2)
+            np.testing.assert_allclose(ko.lse, ref_lse, rtol=1e-3, atol=1e-3)
+            self.check_output(lo.out, hist, layer, info.max_s_q, what="beside kernel steps")
+        c.release_sequence(seq)
+        c.release_sequence(kseq)
 
     def test_shared_region_and_ring(self):
         """Layer steps through the stream's shared region (hidden_offset / out_offset),
@@ -318,8 +404,7 @@ class LayerCase:
                 self.assertEqual((info.tensor_parallel, info.tensor_rank, info.num_heads_q), (2, r, h // 2))
                 self.assertTrue(info.layer_api)
                 self.assertEqual(info.hidden_size, self.spec.hidden_size)
-                self.assertGreater(info.weight_bytes, 0)
-                self.assertLess(info.weight_bytes, self.client.info.weight_bytes)
+                self.assertEqual(info.weight_bytes, weight_bytes(self.spec, h // 2))
             everyone = [self.client] + clients
             L, prefixes = self.spec.num_layers, [65, 100]
             hists, ids = [], []
@@ -432,6 +517,41 @@ class StartupAndApiErrors(unittest.TestCase):
             self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
             self.assertIn("hidden", e.exception.details())
             self.assertEqual(list(c.get_sequence(seq).lengths), [0, 71])
+
+    def test_max_positions(self):
+        """--max_positions bounds the rotary table: steps and uploads past it fail
+        OUT_OF_RANGE; a client keeping its own positions may go on below it."""
+        d = os.path.join(TMP, "max-positions")
+        ckpt = Checkpoint(self.spec, 7)
+        ckpt.write(d)
+        refs = [ReferenceAttention(self.spec, w) for w in ckpt.layers]
+        rng = np.random.default_rng(7)
+
+        def hidden(n):
+            return round_to(rng.normal(0, 1, (n, self.spec.hidden_size)), "bf16").astype(np.float64)
+
+        with Daemon(LATENTD, f"--model_dir={d}", "--kv_pages=16", "--max_positions=70", log_dir=TMP) as daemon, \
+                LatentdClient(daemon.target) as c:
+            seq = c.create_sequence()
+            x = hidden(65)
+            c.append_hidden(seq, {0: x})
+            with self.assertRaises(LatentdError) as e:
+                c.append_hidden(seq, {0: hidden(6)})
+            self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertIn("hidden", e.exception.message)
+            y = hidden(6)
+            outs = c.decode([dict(sequence_id=seq, layer=0, hidden=hidden(6), causal=True),
+                             dict(sequence_id=seq, layer=0, hidden=hidden(1), position=70),
+                             dict(sequence_id=seq, layer=0, hidden=y, causal=True, position=2)])
+            self.assertEqual([o.code for o in outs[:2]], [OUT_OF_RANGE, OUT_OF_RANGE], [o.message for o in outs])
+            for o in outs[:2]:
+                self.assertIn("position", o.message)
+            self.assertTrue(outs[2].ok, outs[2].message)
+            ref, _ = refs[0](np.concatenate([x, y]), np.concatenate([np.arange(65), np.arange(2, 8)]), 6)
+            max_rel, rms_rel = errors(outs[2].out, ref)
+            self.assertLessEqual(max_rel, LIMITS["bf16"][0])
+            self.assertLessEqual(rms_rel, LIMITS["bf16"][1])
+            self.assertEqual(list(c.get_sequence(seq).lengths), [71, 0])
 
     def bad_checkpoint(self, name, ckpt, edit):
         d = os.path.join(TMP, name)
