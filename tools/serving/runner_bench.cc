@@ -58,6 +58,10 @@ ABSL_FLAG(bool, cuda_region, false,
 ABSL_FLAG(int, cuda_device, 0,
           "--cuda_region: the CUDA device the runner's region lives on (the daemon's --device may differ: "
           "it then reads and writes the region over peer access)");
+ABSL_FLAG(bool, layer_api, false,
+          "the layer API: steps carry hidden states [s_q, hidden_size] and get the layer's output back (the "
+          "daemon needs --model_dir with weights); prefixes are still uploaded as latent rows. Results are not "
+          "checked (tests/integration/layer_api_test checks them against a float64 reference)");
 ABSL_FLAG(std::string, auth_token, "", "bearer token");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int, prefix_pool_pages, 61,
@@ -131,11 +135,19 @@ int Main() {
   const int tokens = absl::GetFlag(FLAGS_tokens), warmup = absl::GetFlag(FLAGS_warmup_tokens);
   const int s_q = absl::GetFlag(FLAGS_s_q);
   const bool causal = absl::GetFlag(FLAGS_causal);
-  const int check_every = absl::GetFlag(FLAGS_check_every);
+  const bool layer_api = absl::GetFlag(FLAGS_layer_api);
+  const int check_every = layer_api ? 0 : absl::GetFlag(FLAGS_check_every);
   const bool trace = absl::GetFlag(FLAGS_trace);
   const bool cuda_region = absl::GetFlag(FLAGS_cuda_region);
   const bool use_ring = absl::GetFlag(FLAGS_ring);
   const bool shm = absl::GetFlag(FLAGS_shm) || cuda_region || use_ring;  // offsets, not bytes, either way
+  if (layer_api && (!info.layer_api() || cuda_region)) {
+    std::fprintf(stderr, "runner_bench: --layer_api needs a daemon serving the layer API (ServerInfo.layer_api), "
+                         "and a host region (not --cuda_region)\n");
+    return 2;
+  }
+  // A layer step's input and output per token: its hidden state either way.
+  const int64_t hidden_bytes = int64_t{info.hidden_size()} * 2 * s_q;
   if (s_q < 1 || s_q > std::max(1, info.max_s_q()) || prefix < 0 || tokens < 1) {
     std::fprintf(stderr, "runner_bench: need 1 <= --s_q <= %d, --prefix_len >= 0, --tokens >= 1\n", info.max_s_q());
     return 2;
@@ -152,8 +164,17 @@ int Main() {
   // Pools of random inputs, reused across steps (the server cannot tell).
   constexpr int kPool = 16;
   std::vector<std::string> q_pool, kv_pool;
+  if (layer_api) {
+    std::printf("layer API: hidden_size %d, tensor rank %d of %d; per layer %.1f KB in + %.1f KB out per step "
+                "(kernel-level: %.1f KB + %.1f KB)\n",
+                info.hidden_size(), info.tensor_rank(), std::max(1, info.tensor_parallel()), hidden_bytes / 1e3,
+                hidden_bytes / 1e3, (shape.QBytes(s_q) + shape.KvBytes(s_q)) / 1e3,
+                (shape.OutBytes(s_q) + shape.LseBytes(s_q)) / 1e3);
+  }
   for (int i = 0; i < kPool; ++i) {
-    q_pool.push_back(client::RandomHalves(rng, static_cast<size_t>(shape.QBytes(s_q) / 2), dtype));
+    // With --layer_api the q pool holds hidden states (random values of unit scale).
+    q_pool.push_back(client::RandomHalves(
+        rng, static_cast<size_t>((layer_api ? hidden_bytes : shape.QBytes(s_q)) / 2), dtype));
     kv_pool.push_back(client::RandomHalves(rng, static_cast<size_t>(shape.KvBytes(s_q) / 2), dtype));
   }
 
@@ -239,9 +260,11 @@ int Main() {
       while (ring_entries < static_cast<uint32_t>(B)) ring_entries *= 2;
       // (A CUDA region's ring is a host file of its own.)
       const uint64_t ring_at = use_ring && !cuda_region ? ring::RingBytes(ring_entries) : 0;
-      const uint64_t q_at = ring_at, kv_at = q_at + shape.QBytes(s_q), out_at = kv_at + shape.KvBytes(s_q),
-                     lse_at = out_at + shape.OutBytes(s_q),
-                     slot = (lse_at - ring_at + shape.LseBytes(s_q) + 255) / 256 * 256;
+      // --layer_api: [hidden | out], both [s_q, hidden_size].
+      const uint64_t q_at = ring_at, kv_at = q_at + (layer_api ? hidden_bytes : shape.QBytes(s_q)),
+                     out_at = layer_api ? kv_at : kv_at + shape.KvBytes(s_q),
+                     lse_at = out_at + (layer_api ? hidden_bytes : shape.OutBytes(s_q)),
+                     slot = (lse_at - ring_at + (layer_api ? 0 : shape.LseBytes(s_q)) + 255) / 256 * 256;
       // --cuda_region lays the region out tensor by tensor: all q, then all kv, out, lse.
       struct {
         uint64_t q, kv, out, lse, bytes;
@@ -316,7 +339,13 @@ int Main() {
         s->set_sequence_id(ids[r][b]);
         s->set_causal(causal);
         s->set_trace(trace);
-        if (shm) {
+        if (shm && layer_api) {
+          v1::RegionTensors* t = s->mutable_region();
+          t->set_s_q(s_q);
+          t->set_layer_step(true);
+          t->set_hidden_offset(q_off(b));
+          t->set_out_offset(out_off(b));
+        } else if (shm) {
           v1::RegionTensors* t = s->mutable_region();
           t->set_s_q(s_q);
           t->set_q_offset(q_off(b));
@@ -366,7 +395,9 @@ int Main() {
               }
             } else if (shm && region != nullptr) {
               std::memcpy(region->data() + slot * b + q_at, q.data(), q.size());
-              std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
+              if (!layer_api) std::memcpy(region->data() + slot * b + kv_at, kv.data(), kv.size());
+            } else if (layer_api) {
+              step_of(b)->set_hidden(q);
             } else {
               step_of(b)->set_q(q);
               step_of(b)->set_kv(kv);
@@ -394,6 +425,11 @@ int Main() {
               rs.kv_offset = kv_off(b);
               rs.out_offset = out_off(b);
               rs.lse_offset = lse_off(b);
+              if (layer_api) {
+                rs.layer_step = true;
+                rs.hidden_offset = q_off(b);
+                rs.q_offset = rs.kv_offset = rs.lse_offset = 0;
+              }
             }
             for (int m = 0; m < B && written; m += per_msg) {
               absl::Status sub = doorbell->Submit(&ring_steps[m], static_cast<size_t>(std::min(per_msg, B - m)));
@@ -470,7 +506,8 @@ int Main() {
           }
           // The reference's rows, also after the time is taken: a check copies a
           // sequence's rows under the reference's lock, which would hold this thread up.
-          for (int b : appended) ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
+          if (!layer_api)
+            for (int b : appended) ref.Append(ids[r][b], l, kv_pool[(q_of[b] + 3) % kPool]);
           for (size_t k = 0; k < to_check.size(); ++k) {
             ResultChecker::Item& c = to_check[k];
             const int b = to_check_slot[k];
