@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "prometheus/client_metric.h"
-#include "prometheus/exposer.h"
+#include "prometheus/text_serializer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -271,17 +271,17 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const st
       .Add({{"version", build.version}, {"backend", backend}, {"device", device}, {"kv_dtype", build.kv_dtype}})
       .Set(1);
   x->collector_ = std::make_shared<SnapshotCollector>(std::move(source), total_pages);
-  try {
-    // Two HTTP threads: a scraper or two at a time is all this endpoint serves.
-    x->exposer_ = std::make_unique<prometheus::Exposer>(address, 2);
-  } catch (const std::exception& ex) {
-    return absl::UnavailableError(absl::StrCat("--metrics_listen: cannot serve metrics on ", address, ": ", ex.what()));
-  }
-  x->exposer_->RegisterCollectable(x->registry_);
-  x->exposer_->RegisterCollectable(x->collector_);
-  const std::vector<int> ports = x->exposer_->GetListeningPorts();
+  // One HTTP thread: a scraper or two at a time is all this endpoint serves.
+  auto http = MetricsHttpServer::Start(address, [registry = x->registry_, collector = x->collector_] {
+    std::vector<prometheus::MetricFamily> families = registry->Collect();
+    std::vector<prometheus::MetricFamily> more = collector->Collect();
+    families.insert(families.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    return prometheus::TextSerializer().Serialize(families);
+  });
+  if (!http.ok()) return http.status();
+  x->http_ = *std::move(http);
   const std::string host = address.substr(0, address.rfind(':'));
-  x->address_ = absl::StrCat(host, ":", ports.empty() ? 0 : ports.front());
+  x->address_ = absl::StrCat(host, ":", x->http_->port());
   return x;
 }
 
@@ -306,9 +306,8 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const st
 MetricsExporter::~MetricsExporter() { Stop(); }
 
 void MetricsExporter::Stop() {
-  // Destroying the Exposer stops its HTTP server, which joins its threads: no Collect()
-  // runs after this.
-  exposer_.reset();
+  // Joins the HTTP thread: no Collect() runs after this.
+  if (http_ != nullptr) http_->Stop();
 }
 
 }  // namespace latentd::server

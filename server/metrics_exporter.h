@@ -15,10 +15,10 @@
 #include "engine/engine.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+#include "server/metrics_http.h"
 #include "server/service.h"
 
 namespace prometheus {
-class Exposer;
 class Registry;
 }  // namespace prometheus
 
@@ -90,7 +90,7 @@ class MetricsExporter {
 
   std::shared_ptr<prometheus::Registry> registry_;  // build info
   std::shared_ptr<SnapshotCollector> collector_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
   std::string address_;
 };
 
