@@ -231,6 +231,7 @@ ServerUnaryReactor* DecodeServiceImpl::GetInfo(CallbackServerContext* ctx, const
   response->set_tensor_parallel(std::max(1, options_.tensor_parallel));
   response->set_tensor_rank(options_.tensor_rank);
   response->set_weight_bytes(info.weight_bytes);
+  response->set_max_positions(info.max_positions);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
