@@ -696,6 +696,10 @@ class FaultyStorage final : public KvStorage {
   absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) override {
     return inner_->ReadRows(layer, page, row, n, dst);
   }
+  absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) override {
+    if (writes_left_ >= 0 && writes_left_-- == 0) return absl::InternalError("injected write");
+    return inner_->WriteStoredRows(layer, page, row, n, src);
+  }
   absl::Status CopyPage(int32_t src_page, int32_t dst_page) override {
     if (copies_left_ >= 0 && copies_left_-- == 0) return absl::InternalError("injected copy");
     return inner_->CopyPage(src_page, dst_page);
