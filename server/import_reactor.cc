@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/rpc_status.h"
 #include "server/transfer_worker.h"
 
@@ -14,8 +15,10 @@ constexpr char kWhere[] = "ImportSequence: ";
 
 }  // namespace
 
-ImportReactor::ImportReactor(DecodeServiceImpl* service, v1::ImportSequenceResponse* response, grpc::Status initial)
-    : hold_(service), service_(service), response_(response) {
+ImportReactor::ImportReactor(DecodeServiceImpl* service, grpc::CallbackServerContext* ctx,
+                             v1::ImportSequenceResponse* response, grpc::Status initial)
+    : hold_(service), service_(service), ctx_(ctx), response_(response), last_chunk_us_(absl::ToUnixMicros(absl::Now())) {
+  service_->RegisterImport(this);
   if (!initial.ok()) {
     Finish(std::move(initial));
     return;
@@ -36,9 +39,17 @@ void ImportReactor::OnReadDone(bool ok) {
   service_->transfers().Post([this] { Apply(); });
 }
 
+bool ImportReactor::CancelIfStalled(absl::Time cutoff) {
+  if (absl::FromUnixMicros(last_chunk_us_.load(std::memory_order_relaxed)) >= cutoff) return false;
+  if (cancelled_.exchange(true)) return false;
+  ctx_->TryCancel();  // the outstanding read fails, and the stream ends with nothing imported
+  return true;
+}
+
 void ImportReactor::Apply() {
   bool committed = false;
   grpc::Status st = ApplyChunk(&committed);
+  last_chunk_us_.store(absl::ToUnixMicros(absl::Now()), std::memory_order_relaxed);
   chunk_.Clear();
   if (!st.ok()) {
     importer_.reset();  // all or nothing: the reserved pages go back now
@@ -119,6 +130,7 @@ grpc::Status ImportReactor::ApplyChunk(bool* committed) {
 }
 
 void ImportReactor::OnDone() {
+  service_->UnregisterImport(this);
   service_->CloseTransfer(/*import=*/true);
   delete this;
 }

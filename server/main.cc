@@ -153,6 +153,9 @@ ABSL_FLAG(int64_t, drain_handoff_s, 5,
           "after a drain's accepted steps, keep answering ExportSequence while sequences remain, so that clients "
           "move them to other daemons: the daemon exits once none is left, or once this long passes with no "
           "export open or started (and --drain_timeout_s after the steps at the latest); 0: exit at once");
+ABSL_FLAG(int64_t, import_stall_timeout_s, 60,
+          "cancel an ImportSequence stream whose client has sent no chunk for this long, giving back the pages it "
+          "reserved (0: never)");
 ABSL_FLAG(int, max_export_streams, 16, "ExportSequence streams open at once; more fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_import_streams, 16,
           "ImportSequence streams open at once (each holds the pages of its sequence until it commits or ends); "
@@ -419,6 +422,7 @@ int Run() {
   so.max_transfer_chunk_bytes = std::min<int64_t>(so.max_transfer_chunk_bytes, max_message_bytes - 4096);
   so.transfer_chunk_bytes = std::min<int64_t>(so.transfer_chunk_bytes, so.max_transfer_chunk_bytes);
   if (absl::GetFlag(FLAGS_drain_handoff_s) < 0) return Fail("--drain_handoff_s: expected >= 0");
+  if (absl::GetFlag(FLAGS_import_stall_timeout_s) < 0) return Fail("--import_stall_timeout_s: expected >= 0");
   so.max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
   const std::string pinned = absl::GetFlag(FLAGS_pinned_step_inputs);
   if (pinned == "auto") {
@@ -541,6 +545,7 @@ int Run() {
   const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
   const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
   const int64_t stall_s = absl::GetFlag(FLAGS_stream_stall_timeout_s);
+  const int64_t import_stall_s = absl::GetFlag(FLAGS_import_stall_timeout_s);
   std::thread housekeeping([&] {
     pthread_setname_np(pthread_self(), "latentd-house");
     const absl::Duration ttl = absl::Seconds(ttl_s);
@@ -549,6 +554,9 @@ int Run() {
     absl::Duration period = absl::Seconds(1);
     if (ttl_s > 0) period = std::min(period, std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)));
     if (stall_s > 0) period = std::min(period, std::clamp(stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
+    const absl::Duration import_stall = absl::Seconds(import_stall_s);
+    if (import_stall_s > 0)
+      period = std::min(period, std::clamp(import_stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
     absl::Time next_stats = absl::Now() + absl::Seconds(stats_s);
     uint64_t last_steps = 0;
     while (!stop_housekeeping.WaitForNotificationWithTimeout(period)) {
@@ -558,6 +566,13 @@ int Run() {
       }
       // Spare buffers of idle streams go back (a burst does not keep its memory).
       service.TrimIdleStreams();
+      if (import_stall_s > 0) {
+        const int cancelled = service.CancelStalledImports(import_stall);
+        if (cancelled > 0) {
+          spdlog::warn("cancelled {} ImportSequence streams whose client sent no chunk for {}s", cancelled,
+                       import_stall_s);
+        }
+      }
       if (stall_s > 0) {
         const int cancelled = service.CancelStalledStreams(stall);
         if (cancelled > 0) {

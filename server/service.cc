@@ -391,7 +391,27 @@ grpc::ServerWriteReactor<v1::SequenceChunk>* DecodeServiceImpl::ExportSequence(
 
 grpc::ServerReadReactor<v1::SequenceChunk>* DecodeServiceImpl::ImportSequence(CallbackServerContext* ctx,
                                                                             v1::ImportSequenceResponse* response) {
-  return new ImportReactor(this, response, AdmitTransfer(ctx, /*import=*/true));
+  return new ImportReactor(this, ctx, response, AdmitTransfer(ctx, /*import=*/true));
+}
+
+void DecodeServiceImpl::RegisterImport(ImportReactor* reactor) {
+  absl::MutexLock l(&imports_mu_);
+  imports_.insert(reactor);
+}
+
+void DecodeServiceImpl::UnregisterImport(ImportReactor* reactor) {
+  absl::MutexLock l(&imports_mu_);
+  imports_.erase(reactor);
+}
+
+// A reactor leaves imports_ in OnDone, before it is deleted, so every one in the set is
+// alive while imports_mu_ is held.
+int DecodeServiceImpl::CancelStalledImports(absl::Duration stall) {
+  const absl::Time cutoff = absl::Now() - stall;
+  int cancelled = 0;
+  absl::MutexLock l(&imports_mu_);
+  for (ImportReactor* r : imports_) cancelled += r->CancelIfStalled(cutoff) ? 1 : 0;
+  return cancelled;
 }
 
 void DecodeServiceImpl::Register(DecodeReactor* reactor) {

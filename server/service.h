@@ -167,6 +167,9 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // pending that long); returns how many. Their unstarted steps are dropped, as when a
   // client goes away.
   int CancelStalledStreams(absl::Duration stall);
+  // Cancels ImportSequence streams whose client has sent no chunk for `stall` (their
+  // reserved pages go back as the stream ends); returns how many.
+  int CancelStalledImports(absl::Duration stall);
   // Gives back the spare step buffers of streams with nothing in flight (kept while a
   // stream is busy so that its steady state allocates nothing). Returns buffers freed.
   int TrimIdleStreams();
@@ -212,6 +215,8 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // back.
   grpc::Status AdmitTransfer(const grpc::CallbackServerContext* ctx, bool import);
   void CloseTransfer(bool import);
+  void RegisterImport(ImportReactor* reactor);
+  void UnregisterImport(ImportReactor* reactor);
   TransferWorker& transfers();
   void AddReactor();
   void RemoveReactor();
@@ -266,6 +271,9 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   // Touched once per stream (open, close, drain, housekeeping), never per step.
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Open ImportSequence streams, for the stall check (once per stream, never per chunk).
+  absl::Mutex imports_mu_;
+  absl::flat_hash_set<ImportReactor*> imports_ ABSL_GUARDED_BY(imports_mu_);
 
   // Reactors alive (ReactorHold); a mutex, not an atomic, so that the destructor's wait
   // orders every reactor's last access before the members go.

@@ -181,6 +181,39 @@ TEST(ExportImportTest, BadImportsNameTheFieldAndLeaveNothing) {
                StatusCode::kNotFound, "sequence_id");
 }
 
+// An import whose client stops sending is cancelled after --import_stall_timeout_s, and
+// the pages it reserved go back.
+TEST(ExportImportTest, StalledImportIsCancelledAndGivesItsPagesBack) {
+  Node a({"--num_layers=1", "--kv_pages=64"}), b({"--num_layers=1", "--kv_pages=64", "--import_stall_timeout_s=1"});
+  ASSERT_NE(a.client, nullptr);
+  ASSERT_NE(b.client, nullptr);
+  Tracker tracker(a.client.get(), 6);
+  auto seq = tracker.NewSequence({300}, "stalled");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const std::vector<v1::SequenceChunk> chunks = ExportAll(a.client.get(), *seq, 64 * 1152);
+  ASSERT_GT(chunks.size(), 2u);
+  grpc::ClientContext ctx;
+  b.client->Prepare(&ctx);
+  v1::ImportSequenceResponse resp;
+  auto writer = b.client->stub()->ImportSequence(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(chunks[0]));
+  auto free_pages = [&] {
+    auto info = b.client->GetInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->free_pages() : -1;
+  };
+  const absl::Time deadline = absl::Now() + HangGuard(absl::Seconds(30));
+  int64_t seen = 64;
+  while ((seen = free_pages()) == 64 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(seen, 64 - 5) << "the import's pages were never reserved";
+  while ((seen = free_pages()) != 64 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(seen, 64) << b.daemon.Log();
+  writer->WritesDone();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  b.ExpectNothingLeft(*seq);
+  EXPECT_TRUE(absl::StrContains(b.daemon.Log(), "cancelled 1 ImportSequence streams")) << b.daemon.Log();
+}
+
 // A draining daemon refuses imports and still answers exports until its sequences are
 // gone (then it exits).
 TEST(ExportImportTest, DrainingDaemonExportsAndRefusesImports) {
