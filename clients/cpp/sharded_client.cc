@@ -592,38 +592,35 @@ absl::StatusOr<std::map<uint64_t, v1::StepResult>> ShardedClient::DecodeBatch(st
   }
   std::map<uint64_t, v1::StepResult> results;
   std::vector<v1::DecodeStep> unavailable;
+  std::vector<int> from;  // the daemon that refused each
   {
     Working work(&work_);
-    DecodeRound(std::move(steps), &results, &unavailable);
+    DecodeRound(std::move(steps), &results, &unavailable, &from);
   }
   if (unavailable.empty() || !options_.move_on_drain || options_.via_proxy) return results;
   // Refused by a daemon that may be draining: if it is, its sequences move, and the
   // refused steps (which it never ran) go again to their new daemons, once.
-  std::set<int> targets;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& s : unavailable) targets.insert(PlacementLocked(s.sequence_id()).target);
-  }
-  int moved = 0;
-  for (int t : targets) moved += MoveOffDraining(t);
-  if (moved == 0) return results;
+  // Another thread (or the health checks) may have moved them already: what counts is
+  // that the daemon that refused a step drains and its sequence now lives elsewhere.
+  for (int t : std::set<int>(from.begin(), from.end())) MoveOffDraining(t);
   std::vector<v1::DecodeStep> again;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& s : unavailable) {
-      const int t = PlacementLocked(s.sequence_id()).target;
-      if (!targets.count(t) && UsableLocked(t)) again.push_back(std::move(s));
+    for (size_t i = 0; i < unavailable.size(); ++i) {
+      const int t = PlacementLocked(unavailable[i].sequence_id()).target;
+      if (targets_[from[i]]->draining && t != from[i] && UsableLocked(t)) again.push_back(std::move(unavailable[i]));
     }
   }
   if (again.empty()) return results;
   std::vector<v1::DecodeStep> still;
+  std::vector<int> still_from;
   Working work(&work_);
-  DecodeRound(std::move(again), &results, &still);
+  DecodeRound(std::move(again), &results, &still, &still_from);
   return results;
 }
 
 void ShardedClient::DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint64_t, v1::StepResult>* out,
-                                std::vector<v1::DecodeStep>* unavailable) {
+                                std::vector<v1::DecodeStep>* unavailable, std::vector<int>* from) {
   std::map<uint64_t, v1::StepResult>& results = *out;
   // By daemon; through a proxy by route key, since a stream goes where its key does.
   std::map<std::string, Group> groups;
@@ -641,6 +638,7 @@ void ShardedClient::DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint
       if (!UsableLocked(p.target)) {
         refused.push_back({s.request_id(), p.target, s.sequence_id()});
         unavailable->push_back(std::move(s));
+        from->push_back(p.target);
         continue;
       }
       const std::string key = options_.via_proxy ? p.route : std::to_string(p.target);
@@ -713,7 +711,9 @@ void ShardedClient::DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint
     // them again elsewhere.
     for (auto& m : g.call->messages()) {
       for (auto& step : *m.mutable_steps()) {
-        if (results[step.request_id()].code() == grpc::StatusCode::UNAVAILABLE) unavailable->push_back(std::move(step));
+        if (results[step.request_id()].code() != grpc::StatusCode::UNAVAILABLE) continue;
+        unavailable->push_back(std::move(step));
+        from->push_back(g.target);
       }
     }
   }

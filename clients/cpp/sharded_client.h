@@ -188,10 +188,10 @@ class ShardedClient {
   template <typename Fn>
   auto OnSequence(absl::string_view sequence_id, absl::Duration timeout, Fn fn) -> decltype(fn(nullptr, CallOptions()));
   void HealthLoop();
-  // A batch's steps in one round: results into *results, and the steps that came back
-  // UNAVAILABLE (with their tensors) into *unavailable.
+  // A batch's steps in one round: results into *results, the steps that came back
+  // UNAVAILABLE (with their tensors) into *unavailable and their daemons into *from.
   void DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint64_t, v1::StepResult>* results,
-                   std::vector<v1::DecodeStep>* unavailable);
+                   std::vector<v1::DecodeStep>* unavailable, std::vector<int>* from);
   void Know(absl::string_view sequence_id);  // under mu_
 
   const ShardedClientOptions options_;

@@ -599,21 +599,27 @@ class ShardedClient(ModelWire):
                                                 s.get("causal", False), s.get("timeout_ms", 0))
             seqs[rid] = s["sequence_id"]
             protos.append(step)
+        origin = {}  # request id -> the daemon it went to (or was refused for)
         with self._work:
-            results = self._decode_round(protos, seqs)
+            results = self._decode_round(protos, seqs, origin)
         unavailable = [p for p in protos if _code_of(results[p.request_id]) == _UNAVAILABLE]
         if unavailable and self._move_on_drain:
             # Refused by a daemon that may be draining: if it is, its sequences move and
             # the refused steps (which it never ran) go again to their new daemons, once.
+            # Another thread (or the health checks) may have moved them already: what
+            # counts is that the refusing daemon drains and the sequence lives elsewhere.
+            for t in {origin[p.request_id] for p in unavailable}:
+                self.move_off_draining(t)
             with self._lock:
-                targets = {self._placement_locked(p.sequence_id)[0] for p in unavailable}
-            if sum(self.move_off_draining(t) for t in targets) > 0:
-                with self._lock:
-                    again = [p for p in unavailable if self._placement_locked(p.sequence_id)[0] not in targets and
-                             self._usable_locked(self._placement_locked(p.sequence_id)[0])]
-                if again:
-                    with self._work:
-                        results.update(self._decode_round(again, seqs))
+                again = []
+                for p in unavailable:
+                    now = self._placement_locked(p.sequence_id)[0]
+                    src = origin[p.request_id]
+                    if self._targets[src].draining and now != src and self._usable_locked(now):
+                        again.append(p)
+            if again:
+                with self._work:
+                    results.update(self._decode_round(again, seqs, {}))
         out = []
         empty = np.zeros((0,), np.float32)
         for p in protos:
@@ -624,9 +630,10 @@ class ShardedClient(ModelWire):
                 out.append(self._step_output(r, s_q[p.request_id]))
         return out
 
-    def _decode_round(self, protos, seqs):
+    def _decode_round(self, protos, seqs, origin):
         """One round of a batch: {request_id: StepResult, or (code, message, None) for a
-        step refused here or left without a result}."""
+        step refused here or left without a result}; origin[request_id] is the daemon
+        each step went to or was refused for."""
         results = {}
         groups = {}  # key -> (target, route, [steps])
         refused = []
@@ -634,6 +641,7 @@ class ShardedClient(ModelWire):
             for p in protos:
                 self._known.add(p.sequence_id)
                 target, route = self._placement_locked(p.sequence_id)
+                origin[p.request_id] = target
                 if not self._usable_locked(target):
                     refused.append((p.request_id, target))
                     continue
