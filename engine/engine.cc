@@ -13,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/hash/hash.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/attention_backend.h"
@@ -24,6 +25,7 @@
 #include "engine/metrics.h"
 #include "engine/step_queue.h"
 #include "kernels/params.h"
+#include "zlib.h"
 
 namespace latentd::engine {
 namespace {
@@ -37,6 +39,37 @@ using kernels::kHeadDimV;
 constexpr size_t kAppendChunkBytes = size_t{1} << 20;
 // ReleaseIdleSequences releases at most this many sequences per hold of the KV lock.
 constexpr int kIdleReleaseBatch = 256;
+
+// zlib's crc32 takes 32-bit lengths.
+uint32_t Crc32(uint32_t crc, absl::string_view bytes) {
+  while (!bytes.empty()) {
+    const size_t n = std::min<size_t>(bytes.size(), size_t{1} << 30);
+    crc = static_cast<uint32_t>(::crc32(crc, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(n)));
+    bytes.remove_prefix(n);
+  }
+  return crc;
+}
+
+std::string KeyBytes(const kv::PageKey& key) {
+  std::string b(kPageKeyBytes, '\0');
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(key.hi >> (56 - 8 * i));
+  for (int i = 0; i < 8; ++i) b[8 + i] = static_cast<char>(key.lo >> (56 - 8 * i));
+  return b;
+}
+
+kv::PageKey KeyOf(absl::string_view k) {
+  kv::PageKey key;
+  for (int b = 0; b < 8; ++b) key.hi = key.hi << 8 | static_cast<uint8_t>(k[b]);
+  for (int b = 8; b < 16; ++b) key.lo = key.lo << 8 | static_cast<uint8_t>(k[b]);
+  return key;
+}
+
+// Ids from a client go into messages escaped and shortened.
+std::string QuoteId(absl::string_view id) {
+  std::string s = absl::StrCat("'", absl::CHexEscape(id.substr(0, 64)), "'");
+  if (id.size() > 64) s += "...";
+  return s;
+}
 
 class EngineImpl final : public Engine {
  public:
@@ -108,10 +141,7 @@ class EngineImpl final : public Engine {
       if (k.size() != kPageKeyBytes)
         return absl::InvalidArgumentError(
             absl::StrCat("page_keys[", i, "]: expected ", kPageKeyBytes, " bytes, got ", k.size()));
-      kv::PageKey key;
-      for (int b = 0; b < 8; ++b) key.hi = key.hi << 8 | static_cast<uint8_t>(k[b]);
-      for (int b = 8; b < 16; ++b) key.lo = key.lo << 8 | static_cast<uint8_t>(k[b]);
-      keys.push_back(key);
+      keys.push_back(KeyOf(k));
     }
     absl::MutexLock lock(&kv_mu_);
     if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
@@ -282,6 +312,64 @@ class EngineImpl final : public Engine {
     return info;
   }
 
+  absl::StatusOr<std::unique_ptr<SequenceExporter>> ExportSequence(absl::string_view id) override {
+    if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
+    const kv::KvCacheConfig& c = backend_->kv_config();
+    SequenceExportHeader h;
+    h.num_layers = c.num_layers;
+    h.num_heads_kv = c.num_heads_kv;
+    h.page_size = kernels::kPageSize;
+    h.dtype = o_.model.dtype;
+    h.kv_dtype = kernels::KvDTypeName(c.kv_dtype, o_.model.dtype);
+    h.row_bytes = c.row_bytes();
+    uint64_t serial = 0;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      const kv::Sequence* seq = kv_.Find(id);
+      if (seq == nullptr) return NotFound(id);
+      h.sequence_id = kv_.Id(seq);
+      h.lengths = kv_.Lengths(seq);
+      for (const kv::PageKey& k : kv_.PublishedKeys(seq)) h.page_keys.push_back(KeyBytes(k));
+      serial = kv_.Serial(seq);
+    }
+    return std::unique_ptr<SequenceExporter>(new Exporter(this, std::move(h), serial));
+  }
+
+  absl::StatusOr<std::unique_ptr<SequenceImporter>> ImportSequence(const SequenceExportHeader& h,
+                                                                  absl::string_view id) override {
+    absl::Status st = CheckImportHeader(h);
+    std::string new_id(id.empty() ? absl::string_view(h.sequence_id) : id);
+    if (st.ok()) st = kv::ValidateSequenceId(new_id, id.empty() ? "header.sequence_id" : "sequence_id");
+    if (!st.ok()) {
+      import_failures_.fetch_add(1, std::memory_order_relaxed);
+      return st;
+    }
+    kv::Sequence* pending = nullptr;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      if (kv_.Find(new_id) != nullptr) {
+        st = absl::AlreadyExistsError(absl::StrCat("sequence_id: sequence ", QuoteId(new_id), " already exists"));
+      }
+      if (st.ok()) st = CheckSequenceLimit();
+      if (st.ok()) {
+        // Every page up front: an import that cannot fit fails now, before any row
+        // crosses the network, and one that began never runs out part-way.
+        auto begun = kv_.BeginImport(h.lengths);
+        if (begun.ok()) {
+          pending = *begun;
+        } else {
+          st = absl::Status(begun.status().code(), absl::StrCat("header.", begun.status().message()));
+          if (absl::IsResourceExhausted(st)) rejected_out_of_pages_.fetch_add(1);
+        }
+      }
+    }
+    if (!st.ok()) {
+      import_failures_.fetch_add(1, std::memory_order_relaxed);
+      return st;
+    }
+    return std::unique_ptr<SequenceImporter>(new Importer(this, h, std::move(new_id), pending));
+  }
+
   absl::Status Submit(DecodeStep* step) override {
     step->unit = 0;
     return SubmitOne(step, /*wake=*/true);
@@ -370,6 +458,11 @@ class EngineImpl final : public Engine {
     m.last_batch_flows = last_batch_flows_.load(std::memory_order_relaxed);
     m.last_batch_max_flow_rows = last_batch_max_flow_rows_.load(std::memory_order_relaxed);
     m.append_chunks = append_chunks_.load(std::memory_order_relaxed);
+    m.sequences_exported = sequences_exported_.load(std::memory_order_relaxed);
+    m.export_bytes = export_bytes_.load(std::memory_order_relaxed);
+    m.sequences_imported = sequences_imported_.load(std::memory_order_relaxed);
+    m.import_bytes = import_bytes_.load(std::memory_order_relaxed);
+    m.import_failures = import_failures_.load(std::memory_order_relaxed);
     return m;
   }
 
@@ -385,6 +478,231 @@ class EngineImpl final : public Engine {
   }
 
  private:
+  // Reads rows in pieces of at most the caller's size, each under the KV lock.
+  class Exporter final : public SequenceExporter {
+   public:
+    Exporter(EngineImpl* engine, SequenceExportHeader header, uint64_t serial)
+        : e_(engine), header_(std::move(header)), serial_(serial) {}
+
+    const SequenceExportHeader& header() const override { return header_; }
+    int64_t total_rows() const override { return total_rows_; }
+    uint32_t crc32() const override { return crc_; }
+
+    absl::StatusOr<bool> Next(size_t max_bytes, SequenceExportChunk* chunk) override {
+      while (layer_ < header_.num_layers && row_ >= header_.lengths[layer_]) {
+        ++layer_;
+        row_ = 0;
+      }
+      if (layer_ == header_.num_layers) {
+        if (!finished_) {
+          finished_ = true;
+          e_->sequences_exported_.fetch_add(1, std::memory_order_relaxed);
+        }
+        return false;
+      }
+      const int64_t row_bytes = header_.row_bytes;
+      const int64_t n = std::min<int64_t>(std::max<int64_t>(1, static_cast<int64_t>(max_bytes) / row_bytes),
+                                          header_.lengths[layer_] - row_);
+      chunk->layer = layer_;
+      chunk->first_row = row_;
+      chunk->rows = n;
+      chunk->bytes.resize(static_cast<size_t>(n * row_bytes));
+      {
+        absl::MutexLock lock(&e_->kv_mu_);
+        const kv::Sequence* seq = e_->kv_.Find(header_.sequence_id);
+        if (seq == nullptr || e_->kv_.Serial(seq) != serial_) {
+          return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", QuoteId(header_.sequence_id),
+                                                  " was released during the export"));
+        }
+        if (e_->kv_.Length(seq, layer_) < row_ + n) {
+          return absl::AbortedError(absl::StrCat("sequence_id: layer ", layer_, " of sequence ",
+                                                 QuoteId(header_.sequence_id), " became shorter (",
+                                                 e_->kv_.Length(seq, layer_), " rows) than the export's ",
+                                                 header_.lengths[layer_], " during the export"));
+        }
+        if (absl::Status st = e_->kv_.ReadStoredRows(seq, layer_, row_, n, chunk->bytes.data()); !st.ok()) return st;
+      }
+      crc_ = Crc32(crc_, chunk->bytes);
+      total_rows_ += n;
+      row_ += n;
+      e_->export_bytes_.fetch_add(chunk->bytes.size(), std::memory_order_relaxed);
+      return true;
+    }
+
+   private:
+    EngineImpl* const e_;
+    const SequenceExportHeader header_;
+    const uint64_t serial_;
+    int layer_ = 0;
+    int64_t row_ = 0;
+    int64_t total_rows_ = 0;
+    uint32_t crc_ = 0;
+    bool finished_ = false;
+  };
+
+  // Fills a pending sequence in order; gives its pages back unless committed.
+  class Importer final : public SequenceImporter {
+   public:
+    Importer(EngineImpl* engine, const SequenceExportHeader& header, std::string id, kv::Sequence* pending)
+        : e_(engine), lengths_(header.lengths), row_bytes_(header.row_bytes), id_(std::move(id)), pending_(pending) {
+      for (const std::string& k : header.page_keys) keys_.push_back(KeyOf(k));
+    }
+    ~Importer() override {
+      if (pending_ != nullptr) Abort();
+    }
+
+    absl::Status Write(int layer, int64_t first_row, absl::string_view rows) override {
+      if (pending_ == nullptr) return Gone();
+      absl::Status st = CheckNext(layer, first_row, rows);
+      const int64_t n = static_cast<int64_t>(rows.size()) / row_bytes_;
+      // Pieces of about kAppendChunkBytes per hold of the KV lock, as AppendKv copies.
+      const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kAppendChunkBytes) / row_bytes_);
+      for (int64_t done = 0; st.ok() && done < n; done += piece) {
+        const int64_t k = std::min(piece, n - done);
+        absl::MutexLock lock(&e_->kv_mu_);
+        st = e_->kv_.WriteImportRows(pending_, layer, first_row + done, k, rows.data() + done * row_bytes_);
+      }
+      if (!st.ok()) {
+        Abort();  // all or nothing: the pages go back now, not when the caller lets go
+        return st;
+      }
+      crc_ = Crc32(crc_, rows);
+      total_rows_ += n;
+      row_ += n;
+      return absl::OkStatus();
+    }
+
+    absl::StatusOr<SequenceLengths> Commit(int64_t total_rows, uint32_t crc32) override {
+      if (pending_ == nullptr) return Gone();
+      Skip();
+      absl::Status st;
+      if (layer_ < static_cast<int>(lengths_.size())) {
+        st = absl::FailedPreconditionError(absl::StrCat("rows: layer ", layer_, " has ", row_, " of its ",
+                                                        lengths_[layer_], " rows; the stream ended early"));
+      } else if (total_rows != total_rows_) {
+        st = absl::InvalidArgumentError(
+            absl::StrCat("total_rows: expected ", total_rows_, " (the rows received), got ", total_rows));
+      } else if (crc32 != crc_) {
+        st = absl::InvalidArgumentError(absl::StrCat("crc32: expected ", crc_, " (of the rows received), got ",
+                                                     crc32, "; the rows were corrupted on the way"));
+      }
+      SequenceLengths out;
+      if (st.ok()) {
+        absl::MutexLock lock(&e_->kv_mu_);
+        st = e_->CheckSequenceLimit();
+        if (st.ok()) {
+          auto seq = e_->kv_.CommitImport(pending_, id_, keys_);
+          if (seq.ok()) {
+            pending_ = nullptr;
+            out = e_->LengthsOf(*seq);
+          } else {
+            st = seq.status();
+          }
+        }
+      }
+      if (!st.ok()) {
+        Abort();
+        return st;
+      }
+      e_->sequences_imported_.fetch_add(1, std::memory_order_relaxed);
+      e_->import_bytes_.fetch_add(static_cast<uint64_t>(total_rows_ * row_bytes_), std::memory_order_relaxed);
+      return out;
+    }
+
+   private:
+    static absl::Status Gone() {
+      return absl::FailedPreconditionError("import: already committed or failed; start a new one");
+    }
+    // Past layers whose rows have all come (layers of length 0 included).
+    void Skip() {
+      while (layer_ < static_cast<int>(lengths_.size()) && row_ >= lengths_[layer_]) {
+        ++layer_;
+        row_ = 0;
+      }
+    }
+    absl::Status CheckNext(int layer, int64_t first_row, absl::string_view rows) {
+      Skip();
+      if (layer_ == static_cast<int>(lengths_.size())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer: every row of the header's lengths has come; expected the end, got rows of layer ", layer));
+      }
+      if (layer != layer_) {
+        return absl::InvalidArgumentError(absl::StrCat("layer: expected ", layer_, " (row ", row_, " of ",
+                                                       lengths_[layer_], " next), got ", layer));
+      }
+      if (first_row != row_) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("first_row: expected ", row_, " (layer ", layer_, "), got ", first_row));
+      }
+      if (rows.empty() || rows.size() % static_cast<size_t>(row_bytes_) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("rows: expected a positive multiple of ", row_bytes_,
+                                                       " bytes (whole stored rows), got ", rows.size()));
+      }
+      const int64_t n = static_cast<int64_t>(rows.size()) / row_bytes_;
+      if (row_ + n > lengths_[layer_]) {
+        return absl::InvalidArgumentError(absl::StrCat("rows: ", n, " rows from row ", row_, " pass layer ",
+                                                       layer_, "'s length ", lengths_[layer_], " in the header"));
+      }
+      return absl::OkStatus();
+    }
+    void Abort() {
+      {
+        absl::MutexLock lock(&e_->kv_mu_);
+        e_->kv_.AbortImport(pending_);
+      }
+      pending_ = nullptr;
+      e_->import_failures_.fetch_add(1, std::memory_order_relaxed);
+    }
+
+    EngineImpl* const e_;
+    const std::vector<int64_t> lengths_;
+    const int64_t row_bytes_;
+    const std::string id_;
+    std::vector<kv::PageKey> keys_;
+    kv::Sequence* pending_;  // null once committed or aborted
+    int layer_ = 0;
+    int64_t row_ = 0;
+    int64_t total_rows_ = 0;
+    uint32_t crc_ = 0;
+  };
+
+  // An import's header against this pool; the message names the field.
+  absl::Status CheckImportHeader(const SequenceExportHeader& h) const {
+    const kv::KvCacheConfig& c = backend_->kv_config();
+    auto mismatch = [](absl::string_view field, auto want, auto got) {
+      return absl::InvalidArgumentError(absl::StrCat("header.", field, ": expected ", want, ", got ", got));
+    };
+    if (h.format_version != kExportFormatVersion) return mismatch("format_version", kExportFormatVersion, h.format_version);
+    if (h.num_layers != c.num_layers) return mismatch("num_layers", c.num_layers, h.num_layers);
+    if (h.num_heads_kv != c.num_heads_kv) return mismatch("num_heads_kv", c.num_heads_kv, h.num_heads_kv);
+    if (h.page_size != kernels::kPageSize) return mismatch("page_size", kernels::kPageSize, h.page_size);
+    if (h.dtype != o_.model.dtype)
+      return mismatch("dtype", kernels::DTypeName(o_.model.dtype), kernels::DTypeName(h.dtype));
+    const std::string kv_dtype = kernels::KvDTypeName(c.kv_dtype, o_.model.dtype);
+    if (h.kv_dtype != kv_dtype) return mismatch("kv_dtype", kv_dtype, QuoteId(h.kv_dtype));
+    if (h.row_bytes != c.row_bytes()) return mismatch("row_bytes", c.row_bytes(), h.row_bytes);
+    if (h.lengths.size() != static_cast<size_t>(c.num_layers))
+      return mismatch("lengths", absl::StrCat(c.num_layers, " layers"), h.lengths.size());
+    int64_t shortest = INT64_MAX;
+    for (size_t l = 0; l < h.lengths.size(); ++l) {
+      if (h.lengths[l] < 0 || kv::PagesForTokens(h.lengths[l]) > c.num_pages)
+        return mismatch(absl::StrCat("lengths[", l, "]"), absl::StrCat("0 to ", c.num_pages * kernels::kPageSize,
+                                                                       " rows (the whole pool)"),
+                        h.lengths[l]);
+      shortest = std::min(shortest, h.lengths[l]);
+    }
+    const int64_t full = h.lengths.empty() ? 0 : shortest / kernels::kPageSize;
+    if (static_cast<int64_t>(h.page_keys.size()) > full)
+      return mismatch("page_keys", absl::StrCat("at most ", full, " keys (pages full in every layer)"),
+                      h.page_keys.size());
+    for (size_t i = 0; i < h.page_keys.size(); ++i) {
+      if (h.page_keys[i].size() != kPageKeyBytes)
+        return mismatch(absl::StrCat("page_keys[", i, "]"), absl::StrCat(kPageKeyBytes, " bytes"),
+                        h.page_keys[i].size());
+    }
+    return absl::OkStatus();
+  }
+
   // Bytes of one appended row as clients send it (16-bit values, whatever the pool stores).
   size_t RowBytes() const { return size_t(o_.model.num_heads_kv) * kHeadDimQK * 2; }
 
@@ -751,6 +1069,8 @@ class EngineImpl final : public Engine {
   std::atomic<uint64_t> rejected_out_of_pages_{0};
   std::atomic<uint64_t> rejected_max_sequences_{0};
   std::atomic<uint64_t> append_chunks_{0};
+  std::atomic<uint64_t> sequences_exported_{0}, export_bytes_{0};
+  std::atomic<uint64_t> sequences_imported_{0}, import_bytes_{0}, import_failures_{0};
   std::atomic<int64_t> waiting_flows_{0};
   std::atomic<int> last_batch_flows_{0}, last_batch_max_flow_rows_{0};
 

@@ -16,6 +16,46 @@
 
 namespace latentd::engine {
 
+// Reads one sequence out in bounded pieces (Engine::ExportSequence). Each Next holds
+// the KV lock for one piece only, so decoding goes on between pieces; rows appended
+// after the export began are not part of it. One thread at a time; must not outlive
+// the engine.
+class SequenceExporter {
+ public:
+  virtual ~SequenceExporter() = default;
+  // The pool's shape and format and the sequence's lengths when the export began.
+  virtual const SequenceExportHeader& header() const = 0;
+  // The next rows in order (layer 0 rows 0.., then layer 1, ...): at most max_bytes of
+  // them, at least one row. false once every row has been read (chunk untouched).
+  // NOT_FOUND (sequence_id) when the sequence was released since the export began,
+  // ABORTED when a layer became shorter than the header says (a failed upload rolled
+  // it back).
+  virtual absl::StatusOr<bool> Next(size_t max_bytes, SequenceExportChunk* chunk) = 0;
+  // Rows read so far over every layer, and zlib's crc32 of their bytes in order.
+  virtual int64_t total_rows() const = 0;
+  virtual uint32_t crc32() const = 0;
+};
+
+// Builds one sequence from an export's pieces (Engine::ImportSequence). Every page it
+// needs was reserved when it began; rows are written as they are stored (fp8 rows stay
+// byte for byte); the sequence exists only after Commit. Destroyed without a
+// successful Commit, it gives every page back: nothing is left behind. One thread at a
+// time; must not outlive the engine.
+class SequenceImporter {
+ public:
+  virtual ~SequenceImporter() = default;
+  // The next rows, in the export's order. INVALID_ARGUMENT naming layer, first_row or
+  // rows (with what was expected) for rows out of order, of a partial row, or past the
+  // layer's length in the header.
+  virtual absl::Status Write(int layer, int64_t first_row, absl::string_view rows) = 0;
+  // Checks that every row came (FAILED_PRECONDITION naming rows otherwise) and that
+  // total_rows and crc32 are those of what was written (INVALID_ARGUMENT naming them),
+  // then creates the sequence and publishes the header's page keys: ALREADY_EXISTS if
+  // its id was taken meanwhile, RESOURCE_EXHAUSTED at max_sequences. Once only; after
+  // a failure the importer holds nothing.
+  virtual absl::StatusOr<SequenceLengths> Commit(int64_t total_rows, uint32_t crc32) = 0;
+};
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
@@ -62,6 +102,15 @@ class Engine {
   // how many. Works oldest first in small batches, dropping the KV lock in between, so
   // a large sweep does not stall decoding.
   virtual int ReleaseIdleSequences(absl::Duration ttl) = 0;
+
+  // Export and import (docs/export-import.md). NOT_FOUND for an unknown sequence.
+  virtual absl::StatusOr<std::unique_ptr<SequenceExporter>> ExportSequence(absl::string_view sequence_id) = 0;
+  // sequence_id: the id to create; empty: header.sequence_id. INVALID_ARGUMENT naming
+  // header.<field> ("header.num_heads_kv: expected 1, got 2") for another shape or
+  // storage format, ALREADY_EXISTS for a taken id, RESOURCE_EXHAUSTED (header.lengths)
+  // when the free pages cannot hold the sequence, or at max_sequences.
+  virtual absl::StatusOr<std::unique_ptr<SequenceImporter>> ImportSequence(const SequenceExportHeader& header,
+                                                                          absl::string_view sequence_id) = 0;
 
   // Never blocks. An error return means the step was not accepted (bad field, unknown
   // sequence, full queue, draining) and its callback will not run; OK means StepDone

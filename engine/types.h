@@ -132,6 +132,33 @@ struct SequenceInfo {
   absl::Time last_used;          // last create, append or decode step (for the idle TTL)
 };
 
+// Moving a sequence between engines (docs/export-import.md): what its rows are. An
+// export fills every field; an import must name the importing pool's shape and storage
+// format exactly (the rows are copied as stored, never converted).
+inline constexpr int kExportFormatVersion = 1;
+struct SequenceExportHeader {
+  int format_version = kExportFormatVersion;
+  int num_layers = 0;
+  int num_heads_kv = 0;
+  int page_size = 0;  // tokens per page (kernels::kPageSize)
+  kernels::DType dtype = kernels::DType::kBF16;  // the model dtype
+  std::string kv_dtype;   // kernels::KvDTypeName of the pool: "bf16", "fp16" or "fp8_e4m3"
+  int64_t row_bytes = 0;  // stored bytes of one token of one layer (every KV head)
+  std::string sequence_id;
+  std::vector<int64_t> lengths;  // rows per layer
+  // Content keys (kPageKeyBytes each) of the leading full pages that hold a published
+  // prefix-cache key; an importer publishes them as its own.
+  std::vector<std::string> page_keys;
+};
+
+// One piece of an export: rows [first_row, first_row + rows) of one layer, as stored.
+struct SequenceExportChunk {
+  int layer = 0;
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  std::string bytes;  // rows * header.row_bytes
+};
+
 // Device memory opened from another process's CUDA IPC handle.
 struct DeviceMemory {
   uint64_t address = 0;  // the device address of the requested range's first byte
@@ -230,6 +257,11 @@ struct EngineMetrics {
   int last_batch_max_flow_rows = 0;
   // AppendKv copies in chunks, dropping the KV lock in between; chunks copied so far.
   uint64_t append_chunks = 0;
+  // Export and import (docs/export-import.md): sequences whose export completed or
+  // whose import was committed, their row bytes, and imports that failed or were
+  // abandoned (each left nothing behind).
+  uint64_t sequences_exported = 0, export_bytes = 0;
+  uint64_t sequences_imported = 0, import_bytes = 0, import_failures = 0;
 };
 
 }  // namespace latentd::engine

@@ -163,6 +163,20 @@ ABSL_FLAG(int64_t, stream_stall_timeout_s, 60,
           "cancel a Decode stream whose client has not taken a response for this long (0: never)");
 ABSL_FLAG(int64_t, stats_interval_s, 60, "log engine stats this often while busy (0: never)");
 ABSL_FLAG(int64_t, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long accepted steps may take to finish");
+ABSL_FLAG(int64_t, drain_handoff_s, 5,
+          "after a drain's accepted steps, keep answering ExportSequence while sequences remain, so that clients "
+          "move them to other daemons: the daemon exits once none is left, or once this long passes with no "
+          "export open or started (and --drain_timeout_s after the steps at the latest); 0: exit at once");
+ABSL_FLAG(int64_t, import_stall_timeout_s, 60,
+          "cancel an ImportSequence stream whose client has sent no chunk for this long, giving back the pages it "
+          "reserved (0: never)");
+ABSL_FLAG(int, max_export_streams, 16, "ExportSequence streams open at once; more fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_import_streams, 16,
+          "ImportSequence streams open at once (each holds the pages of its sequence until it commits or ends); "
+          "more fail RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_transfer_chunk_bytes, int64_t{4} << 20,
+          "most row bytes of one ExportSequence or ImportSequence chunk (exports send 1 MiB unless asked for "
+          "less); a larger import chunk fails INVALID_ARGUMENT");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key serves TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, auth_token, "",
@@ -485,6 +499,18 @@ int Run() {
   if (so.max_inflight_bytes < (int64_t{1} << 20)) return Fail("--max_inflight_bytes: expected at least 1 MiB");
   if (so.max_streams < 1) return Fail("--max_streams: expected at least 1");
   if (so.max_upload_bytes < 1) return Fail("--max_upload_bytes: expected at least 1");
+  so.max_export_streams = absl::GetFlag(FLAGS_max_export_streams);
+  so.max_import_streams = absl::GetFlag(FLAGS_max_import_streams);
+  so.max_transfer_chunk_bytes = absl::GetFlag(FLAGS_max_transfer_chunk_bytes);
+  if (so.max_export_streams < 0) return Fail("--max_export_streams: expected >= 0 (0: no exports)");
+  if (so.max_import_streams < 0) return Fail("--max_import_streams: expected >= 0 (0: no imports)");
+  if (so.max_transfer_chunk_bytes < (int64_t{64} << 10))
+    return Fail("--max_transfer_chunk_bytes: expected at least 64 KiB");
+  // A chunk travels in one message beside its framing.
+  so.max_transfer_chunk_bytes = std::min<int64_t>(so.max_transfer_chunk_bytes, max_message_bytes - 4096);
+  so.transfer_chunk_bytes = std::min<int64_t>(so.transfer_chunk_bytes, so.max_transfer_chunk_bytes);
+  if (absl::GetFlag(FLAGS_drain_handoff_s) < 0) return Fail("--drain_handoff_s: expected >= 0");
+  if (absl::GetFlag(FLAGS_import_stall_timeout_s) < 0) return Fail("--import_stall_timeout_s: expected >= 0");
   so.max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
   const std::string pinned = absl::GetFlag(FLAGS_pinned_step_inputs);
   if (pinned == "auto") {
@@ -607,6 +633,7 @@ int Run() {
   const int64_t ttl_s = absl::GetFlag(FLAGS_sequence_ttl_s);
   const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
   const int64_t stall_s = absl::GetFlag(FLAGS_stream_stall_timeout_s);
+  const int64_t import_stall_s = absl::GetFlag(FLAGS_import_stall_timeout_s);
   std::thread housekeeping([&] {
     pthread_setname_np(pthread_self(), "latentd-house");
     const absl::Duration ttl = absl::Seconds(ttl_s);
@@ -615,6 +642,9 @@ int Run() {
     absl::Duration period = absl::Seconds(1);
     if (ttl_s > 0) period = std::min(period, std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)));
     if (stall_s > 0) period = std::min(period, std::clamp(stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
+    const absl::Duration import_stall = absl::Seconds(import_stall_s);
+    if (import_stall_s > 0)
+      period = std::min(period, std::clamp(import_stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
     absl::Time next_stats = absl::Now() + absl::Seconds(stats_s);
     uint64_t last_steps = 0;
     while (!stop_housekeeping.WaitForNotificationWithTimeout(period)) {
@@ -624,6 +654,13 @@ int Run() {
       }
       // Spare buffers of idle streams go back (a burst does not keep its memory).
       service.TrimIdleStreams();
+      if (import_stall_s > 0) {
+        const int cancelled = service.CancelStalledImports(import_stall);
+        if (cancelled > 0) {
+          spdlog::warn("cancelled {} ImportSequence streams whose client sent no chunk for {}s", cancelled,
+                       import_stall_s);
+        }
+      }
       if (stall_s > 0) {
         const int cancelled = service.CancelStalledStreams(stall);
         if (cancelled > 0) {
@@ -683,6 +720,27 @@ int Run() {
   const absl::Time streams_deadline = std::max(drain_start + drain_timeout, absl::Now() + absl::Seconds(2));
   while (drained && service.OpenStreams() > 0 && absl::Now() < streams_deadline) {
     absl::SleepFor(absl::Milliseconds(5));
+  }
+  // The handoff: clients that saw the drain export their sequences to other daemons
+  // (and release them here). It ends when no sequence is left, when exports have been
+  // idle for --drain_handoff_s, or --drain_timeout_s from now at the latest.
+  const absl::Duration handoff_idle = absl::Seconds(absl::GetFlag(FLAGS_drain_handoff_s));
+  if (drained && handoff_idle > absl::ZeroDuration()) {
+    const absl::Time handoff_start = absl::Now();
+    absl::Time last_export = handoff_start;
+    uint64_t started = service.ExportsStarted();
+    int64_t left = engine->Metrics().sequences;
+    while (left > 0 && absl::Now() < handoff_start + drain_timeout) {
+      const uint64_t now_started = service.ExportsStarted();
+      if (now_started != started || service.OpenExports() > 0) last_export = absl::Now();
+      started = now_started;
+      if (absl::Now() - last_export > handoff_idle) break;
+      absl::SleepFor(absl::Milliseconds(20));
+      left = engine->Metrics().sequences;
+    }
+    spdlog::info("handoff: {} sequences left after {:.3f}s; {} exported since the signal", left,
+                 absl::ToDoubleSeconds(absl::Now() - handoff_start),
+                 engine->Metrics().sequences_exported - before.sequences_exported);
   }
   if (drained) {
     server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -152,6 +152,21 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
                         "Chunks AppendKv uploads were copied in (the KV lock is dropped between two).",
                         static_cast<double>(e.append_chunks)));
 
+  out.push_back(Counter("latentd_sequences_exported_total",
+                        "Sequences whose ExportSequence stream read every row (docs/export-import.md).",
+                        static_cast<double>(e.sequences_exported)));
+  out.push_back(Counter("latentd_export_bytes_total", "Stored row bytes ExportSequence streams read from the pool.",
+                        static_cast<double>(e.export_bytes)));
+  out.push_back(Counter("latentd_sequences_imported_total", "Sequences ImportSequence created.",
+                        static_cast<double>(e.sequences_imported)));
+  out.push_back(Counter("latentd_import_bytes_total", "Stored row bytes of the imported sequences.",
+                        static_cast<double>(e.import_bytes)));
+  out.push_back(Counter("latentd_import_failures_total",
+                        "Imports refused, failed or abandoned part-way (each left nothing behind).",
+                        static_cast<double>(e.import_failures)));
+  out.push_back(Gauge("latentd_open_transfer_streams", "ExportSequence and ImportSequence streams not yet finished.",
+                      static_cast<double>(c.open_exports + c.open_imports)));
+
   out.push_back(Gauge("latentd_open_decode_streams", "Decode streams not yet finished.",
                       static_cast<double>(c.open_streams)));
   out.push_back(Gauge("latentd_open_calls", "Decode and AppendKv streams not yet finished.",
@@ -187,6 +202,7 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
         {"upload", c.refused_uploads},
         {"region", c.refused_regions},
         {"ring", c.refused_rings},
+        {"transfer_streams", c.refused_transfers},
     };
     for (const auto& [reason, value] : reasons) {
       f.metric.push_back(Labelled({{"reason", reason}}));

@@ -53,6 +53,7 @@ MetricsSnapshot SampleSnapshot() {
   s.service.rings = 2;
   s.service.refused_rings = 1;
   s.service.steps_ring = 40;
+  s.service.refused_transfers = 2;
   s.service.open_streams = 2;
   s.auth_failures = 4;
   return s;
@@ -133,7 +134,8 @@ TEST(MetricFamilies, PagesAndReasons) {
   for (const auto& m : Find(families, "latentd_rejections_total")->metric) {
     reasons[m.label.at(0).value] = m.counter.value;
   }
-  EXPECT_EQ(reasons.size(), 12u);
+  EXPECT_EQ(reasons.size(), 13u);
+  EXPECT_EQ(reasons["transfer_streams"], 2);
   EXPECT_EQ(reasons["invalid"], 5);
   EXPECT_EQ(reasons["queue_full"], 1);
   EXPECT_EQ(reasons["upload"], 3);

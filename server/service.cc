@@ -21,7 +21,10 @@
 #include "server/decode/step_shape.h"
 #include "server/decode/step_validation.h"
 #include "server/decode_reactor.h"
+#include "server/export_reactor.h"
+#include "server/import_reactor.h"
 #include "server/rpc_status.h"
+#include "server/transfer_worker.h"
 #include "spdlog/spdlog.h"
 
 namespace latentd::server {
@@ -42,7 +45,10 @@ grpc::Status ToGrpc(const absl::Status& status) {
 }
 
 DecodeServiceImpl::DecodeServiceImpl(engine::Engine* engine, ServiceOptions options)
-    : engine_(engine), options_(std::move(options)), inflight_(options_.max_inflight_bytes) {
+    : engine_(engine),
+      options_(std::move(options)),
+      inflight_(options_.max_inflight_bytes),
+      transfers_(std::make_unique<TransferWorker>()) {
   shape_ = decode::StepShape::For(engine_->Info(), options_.max_s_q);
   uploader_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "latentd-upload");  // for top -H and debuggers
@@ -160,6 +166,10 @@ ServiceCounters DecodeServiceImpl::Counters() const {
   c.rings = rings_.load(std::memory_order_relaxed);
   c.refused_rings = refused_rings_.load(std::memory_order_relaxed);
   c.steps_ring = steps_ring_.load(std::memory_order_relaxed);
+  c.open_exports = open_exports_.load(std::memory_order_relaxed);
+  c.open_imports = open_imports_.load(std::memory_order_relaxed);
+  c.exports_started = exports_started_.load(std::memory_order_relaxed);
+  c.refused_transfers = refused_transfers_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -352,6 +362,62 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* DecodeServiceImpl::
   grpc::Status st = AdmitStream(ctx);
   const uint64_t flow = streams_opened_.fetch_add(1, std::memory_order_relaxed) + 1;
   return new DecodeReactor(this, ctx, std::move(st), flow);
+}
+
+grpc::Status DecodeServiceImpl::AdmitTransfer(const CallbackServerContext* ctx, bool import) {
+  // Counted whatever the answer, as OpenCall does: every reactor gives it back in OnDone.
+  std::atomic<int64_t>& open = import ? open_imports_ : open_exports_;
+  const int limit = import ? options_.max_import_streams : options_.max_export_streams;
+  const bool admitted = open.fetch_add(1, std::memory_order_relaxed) < limit;
+  grpc::Status st = CheckAuth(ctx);
+  if (st.ok() && import && draining()) st = Unavailable();
+  if (st.ok() && !admitted) {
+    refused_transfers_.fetch_add(1, std::memory_order_relaxed);
+    st = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat("the server has ", limit, import ? " ImportSequence" : " ExportSequence",
+                                   " streams open (", import ? "--max_import_streams" : "--max_export_streams",
+                                   "); retry when one has ended"));
+  }
+  if (st.ok() && !import) exports_started_.fetch_add(1, std::memory_order_relaxed);
+  return st;
+}
+
+TransferWorker& DecodeServiceImpl::transfers() { return *transfers_; }
+
+void DecodeServiceImpl::CloseTransfer(bool import) {
+  (import ? open_imports_ : open_exports_).fetch_sub(1, std::memory_order_relaxed);
+}
+
+grpc::ServerWriteReactor<v1::SequenceChunk>* DecodeServiceImpl::ExportSequence(
+    CallbackServerContext* ctx, const v1::ExportSequenceRequest* request) {
+  grpc::Status st = AdmitTransfer(ctx, /*import=*/false);
+  if (st.ok()) st = ToGrpc(CheckIdField("sequence_id", request->sequence_id(), false));
+  return new ExportReactor(this, *request, std::move(st));
+}
+
+grpc::ServerReadReactor<v1::SequenceChunk>* DecodeServiceImpl::ImportSequence(CallbackServerContext* ctx,
+                                                                            v1::ImportSequenceResponse* response) {
+  return new ImportReactor(this, ctx, response, AdmitTransfer(ctx, /*import=*/true));
+}
+
+void DecodeServiceImpl::RegisterImport(ImportReactor* reactor) {
+  absl::MutexLock l(&imports_mu_);
+  imports_.insert(reactor);
+}
+
+void DecodeServiceImpl::UnregisterImport(ImportReactor* reactor) {
+  absl::MutexLock l(&imports_mu_);
+  imports_.erase(reactor);
+}
+
+// A reactor leaves imports_ in OnDone, before it is deleted, so every one in the set is
+// alive while imports_mu_ is held.
+int DecodeServiceImpl::CancelStalledImports(absl::Duration stall) {
+  const absl::Time cutoff = absl::Now() - stall;
+  int cancelled = 0;
+  absl::MutexLock l(&imports_mu_);
+  for (ImportReactor* r : imports_) cancelled += r->CancelIfStalled(cutoff) ? 1 : 0;
+  return cancelled;
 }
 
 void DecodeServiceImpl::Register(DecodeReactor* reactor) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -73,6 +74,13 @@ struct ServiceOptions {
   PinnedInputs pinned_step_inputs = PinnedInputs::kAuto;
   // Free step buffers a stream keeps once it has had nothing in flight for a while.
   int idle_stream_slots = 8;
+  // ExportSequence and ImportSequence streams open at once (each holds one chunk; an
+  // import also holds the pages it reserved until it commits or ends), the row bytes
+  // per export chunk unless the request asks for fewer, and the most either accepts.
+  int max_export_streams = 16;
+  int max_import_streams = 16;
+  int64_t transfer_chunk_bytes = int64_t{1} << 20;
+  int64_t max_transfer_chunk_bytes = int64_t{4} << 20;
   std::string version;
 };
 
@@ -100,6 +108,9 @@ struct ServiceCounters {
   int64_t rings = 0;            // doorbell rings open
   uint64_t refused_rings = 0;   // over max_rings
   uint64_t steps_ring = 0;      // steps taken from rings
+  int64_t open_exports = 0, open_imports = 0;  // ExportSequence / ImportSequence streams
+  uint64_t exports_started = 0;
+  uint64_t refused_transfers = 0;  // over max_export_streams / max_import_streams
 };
 
 // Maps an absl::Status onto the gRPC status with the same code and message.
@@ -107,14 +118,19 @@ grpc::Status ToGrpc(const absl::Status& status);
 
 class AppendKvReactor;
 class DecodeReactor;
+class ExportReactor;
+class ImportReactor;
+class TransferWorker;
 
 // Decode and AppendKv are served raw (grpc::ByteBuffer) so that the server, not
-// protobuf, decides what a message may make it hold; the other methods are typed.
+// protobuf, decides what a message may make it hold; the other methods are typed (an
+// ImportSequence chunk is bounded by --max_message_bytes and held one at a time).
 using DecodeServiceBase = v1::DecodeService::WithCallbackMethod_GetInfo<
     v1::DecodeService::WithCallbackMethod_CreateSequence<v1::DecodeService::WithRawCallbackMethod_AppendKv<
         v1::DecodeService::WithRawCallbackMethod_Decode<v1::DecodeService::WithCallbackMethod_ForkSequence<
-            v1::DecodeService::WithCallbackMethod_ReleaseSequence<
-                v1::DecodeService::WithCallbackMethod_GetSequence<v1::DecodeService::Service>>>>>>>;
+            v1::DecodeService::WithCallbackMethod_ReleaseSequence<v1::DecodeService::WithCallbackMethod_GetSequence<
+                v1::DecodeService::WithCallbackMethod_ExportSequence<
+                    v1::DecodeService::WithCallbackMethod_ImportSequence<v1::DecodeService::Service>>>>>>>>>;
 
 class DecodeServiceImpl final : public DecodeServiceBase {
  public:
@@ -137,6 +153,10 @@ class DecodeServiceImpl final : public DecodeServiceBase {
                                             v1::ReleaseSequenceResponse* response) override;
   grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* request,
                                         v1::SequenceInfo* response) override;
+  grpc::ServerWriteReactor<v1::SequenceChunk>* ExportSequence(grpc::CallbackServerContext* ctx,
+                                                             const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::SequenceChunk>* ImportSequence(grpc::CallbackServerContext* ctx,
+                                                            v1::ImportSequenceResponse* response) override;
 
   // Refuses new work with UNAVAILABLE from now on; open Decode streams stop reading and
   // finish once every step they accepted has been answered.
@@ -144,10 +164,16 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Decode streams not yet finished.
   int OpenStreams() const;
+  // ExportSequence streams open, and started so far (the drain's handoff watches both).
+  int OpenExports() const { return static_cast<int>(open_exports_.load(std::memory_order_relaxed)); }
+  uint64_t ExportsStarted() const { return exports_started_.load(std::memory_order_relaxed); }
   // Cancels Decode streams whose client has not taken a response for `stall` (a write
   // pending that long); returns how many. Their unstarted steps are dropped, as when a
   // client goes away.
   int CancelStalledStreams(absl::Duration stall);
+  // Cancels ImportSequence streams whose client has sent no chunk for `stall` (their
+  // reserved pages go back as the stream ends); returns how many.
+  int CancelStalledImports(absl::Duration stall);
   // Gives back the spare step buffers of streams with nothing in flight (kept while a
   // stream is busy so that its steady state allocates nothing). Returns buffers freed.
   int TrimIdleStreams();
@@ -185,6 +211,17 @@ class DecodeServiceImpl final : public DecodeServiceBase {
  private:
   friend class AppendKvReactor;
   friend class DecodeReactor;
+  friend class ExportReactor;
+  friend class ImportReactor;
+  // The status a new ExportSequence / ImportSequence stream starts with: auth, the
+  // stream limit, and for an import the drain (exports go on while draining). Counts
+  // the stream whatever the answer; CloseTransfer, in every reactor's OnDone, gives it
+  // back.
+  grpc::Status AdmitTransfer(const grpc::CallbackServerContext* ctx, bool import);
+  void CloseTransfer(bool import);
+  void RegisterImport(ImportReactor* reactor);
+  void UnregisterImport(ImportReactor* reactor);
+  TransferWorker& transfers();
   void AddReactor();
   void RemoveReactor();
   void Register(DecodeReactor* reactor);
@@ -232,10 +269,15 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   std::atomic<uint64_t> results_delivered_{0}, results_undelivered_{0};
   std::atomic<uint64_t> refused_streams_{0}, refused_steps_bytes_{0},
       refused_messages_{0}, refused_uploads_{0};
+  std::atomic<int64_t> open_exports_{0}, open_imports_{0};
+  std::atomic<uint64_t> exports_started_{0}, refused_transfers_{0};
 
   // Touched once per stream (open, close, drain, housekeeping), never per step.
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_set<DecodeReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Open ImportSequence streams, for the stall check (once per stream, never per chunk).
+  absl::Mutex imports_mu_;
+  absl::flat_hash_set<ImportReactor*> imports_ ABSL_GUARDED_BY(imports_mu_);
 
   // Reactors alive (ReactorHold); a mutex, not an atomic, so that the destructor's wait
   // orders every reactor's last access before the members go.
@@ -245,6 +287,7 @@ class DecodeServiceImpl final : public DecodeServiceBase {
   absl::Mutex upload_mu_;
   std::deque<AppendKvReactor*> uploads_ ABSL_GUARDED_BY(upload_mu_);  // each with one message read
   bool stop_uploads_ ABSL_GUARDED_BY(upload_mu_) = false;
+  std::unique_ptr<TransferWorker> transfers_;  // export and import copies
   std::thread uploader_;  // last member: started once the rest is built
 };
 

@@ -215,6 +215,80 @@ absl::StatusOr<v1::SequenceInfo> Client::GetSequence(absl::string_view sequence_
   return resp;
 }
 
+absl::Status Client::ExportSequence(absl::string_view sequence_id,
+                                    const std::function<absl::Status(v1::SequenceChunk&)>& on_chunk,
+                                    int64_t max_chunk_bytes, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, call.route.empty() ? sequence_id : call.route, call.timeout);
+  v1::ExportSequenceRequest req;
+  req.set_sequence_id(std::string(sequence_id));
+  req.set_max_chunk_bytes(max_chunk_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::SequenceChunk>> reader = stub_->ExportSequence(&ctx, req);
+  v1::SequenceChunk chunk;
+  absl::Status mine;
+  while (reader->Read(&chunk)) {
+    mine = on_chunk(chunk);
+    if (!mine.ok()) {
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status st = reader->Finish();
+  if (!mine.ok()) return mine;
+  return ToAbsl(st);
+}
+
+absl::StatusOr<v1::ImportSequenceResponse> Client::ImportSequence(const std::vector<v1::SequenceChunk>& chunks,
+                                                                  const CallOptions& call) {
+  std::string route = call.route;
+  if (route.empty() && !chunks.empty()) {
+    route = !chunks[0].sequence_id().empty() ? chunks[0].sequence_id() : chunks[0].header().sequence_id();
+  }
+  grpc::ClientContext ctx;
+  Prepare(&ctx, route, call.timeout);
+  v1::ImportSequenceResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::SequenceChunk>> writer = stub_->ImportSequence(&ctx, &resp);
+  for (const v1::SequenceChunk& c : chunks) {
+    if (!writer->Write(c)) break;  // the server ended the stream: Finish says why
+  }
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  if (!st.ok()) return ToAbsl(st);
+  return resp;
+}
+
+absl::StatusOr<Client::Moved> Client::MoveSequence(absl::string_view sequence_id, Client* to, const CallOptions& call,
+                                                   const CallOptions& to_call) {
+  // Each chunk goes on as it arrives; a failure on either side cancels the import, which
+  // then leaves nothing on `to`.
+  grpc::ClientContext import_ctx;
+  to->Prepare(&import_ctx, to_call.route.empty() ? sequence_id : to_call.route, to_call.timeout);
+  v1::ImportSequenceResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::SequenceChunk>> writer = to->stub()->ImportSequence(&import_ctx, &resp);
+  bool import_broke = false;
+  absl::Status exported = ExportSequence(
+      sequence_id,
+      [&](v1::SequenceChunk& c) {
+        if (writer->Write(c)) return absl::OkStatus();
+        import_broke = true;
+        return absl::CancelledError("the import stream ended");
+      },
+      0, call);
+  if (!exported.ok() && !import_broke) {
+    import_ctx.TryCancel();
+    writer->Finish();
+    return exported;
+  }
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  if (!st.ok()) return ToAbsl(st);
+  Moved moved;
+  moved.imported = std::move(resp);
+  absl::StatusOr<int64_t> released = ReleaseSequence(sequence_id, call);
+  moved.released = released.status();
+  return moved;
+}
+
 absl::StatusOr<std::string> Client::Health(absl::Duration timeout) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -106,6 +107,30 @@ class Client {
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id, const CallOptions& call = {});
   // Lengths per layer and pages held: to resync after a stream broke part-way.
   absl::StatusOr<v1::SequenceInfo> GetSequence(absl::string_view sequence_id, const CallOptions& call = {});
+  // Export and import (docs/export-import.md). ExportSequence streams the sequence's
+  // chunks (header first, last = true at the end) into on_chunk, which may move from
+  // them; an error from on_chunk cancels the stream and is returned. Answered by a
+  // draining daemon too. max_chunk_bytes: 0 for the server's default (1 MiB).
+  absl::Status ExportSequence(absl::string_view sequence_id,
+                              const std::function<absl::Status(v1::SequenceChunk&)>& on_chunk,
+                              int64_t max_chunk_bytes = 0, const CallOptions& call = {});
+  // Creates a sequence from an export's chunks as they came (the first names the id to
+  // create in its sequence_id, or the header's id is used). All or nothing on the
+  // server. The route defaults to the header's sequence id.
+  absl::StatusOr<v1::ImportSequenceResponse> ImportSequence(const std::vector<v1::SequenceChunk>& chunks,
+                                                            const CallOptions& call = {});
+  // Moves a sequence to `to` under the same id: export here, import there chunk by
+  // chunk (nothing is held whole), then release here. If the export or the import
+  // fails, the import is abandoned (nothing is left on `to`) and the sequence stays
+  // here. A release that fails after the import leaves the sequence in both places:
+  // the move still succeeds, with the release's error in Moved::released.
+  struct Moved {
+    v1::ImportSequenceResponse imported;
+    absl::Status released;  // the release of the source
+  };
+  absl::StatusOr<Moved> MoveSequence(absl::string_view sequence_id, Client* to, const CallOptions& call = {},
+                                     const CallOptions& to_call = {});
+
   // grpc.health.v1 status of the whole server: "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(absl::Duration timeout = absl::Seconds(5));
 

@@ -92,6 +92,7 @@ class BatchCall final : public grpc::ClientBidiReactor<v1::DecodeRequest, v1::De
 
   // After Wait.
   std::vector<v1::StepResult>& results() { return results_; }
+  std::vector<v1::DecodeRequest>& messages() { return messages_; }
   const grpc::Status& status() const { return status_; }
 
  private:
@@ -303,6 +304,7 @@ void ShardedClient::CheckHealth() {
     checks.emplace_back([&p, stub = targets_[i]->health.get()] { p.status = stub->Check(&p.ctx, p.request, &p.response); });
   }
   for (std::thread& t : checks) t.join();
+  std::vector<int> draining_now;
   for (int i = 0; i < n; ++i) {
     Target& t = *targets_[i];
     const Probe& p = probes[i];
@@ -338,7 +340,8 @@ void ShardedClient::CheckHealth() {
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (p.status.ok()) {
-      // NOT_SERVING: draining, new work is refused.
+      // NOT_SERVING: draining, new work is refused (its sequences move below).
+      draining_now.push_back(i);
       t.healthy = false;
       t.last_error = absl::StrCat("health ",
                                   grpc::health::v1::HealthCheckResponse::ServingStatus_Name(p.response.status()));
@@ -348,6 +351,9 @@ void ShardedClient::CheckHealth() {
         t.healthy = false;
       }
     }
+  }
+  if (options_.move_on_drain) {
+    for (int i : draining_now) MoveOffDraining(i);
   }
 }
 
@@ -458,6 +464,7 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
       if (r.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         placements_[id] = {0, route};
+        Know(id);
         return r;
       }
       if (r.status().code() != absl::StatusCode::kUnavailable) return r.status();
@@ -492,6 +499,7 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
     if (r.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       placements_[id] = {t, id};
+      Know(id);
       return r;
     }
     last = r.status();
@@ -503,6 +511,11 @@ absl::StatusOr<std::string> ShardedClient::CreateSequence(absl::string_view sequ
 
 absl::StatusOr<v1::AppendKvResponse> ShardedClient::AppendKv(absl::string_view sequence_id, int layer,
                                                              absl::string_view kv) {
+  Working work(&work_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Know(sequence_id);
+  }
   return OnSequence(sequence_id, options_.upload_timeout, [&](Client* c, const CallOptions& call) {
     return c->AppendKv(sequence_id, layer, kv, call);
   });
@@ -510,6 +523,11 @@ absl::StatusOr<v1::AppendKvResponse> ShardedClient::AppendKv(absl::string_view s
 
 absl::StatusOr<v1::AppendKvResponse> ShardedClient::AppendKvLayers(
     absl::string_view sequence_id, const std::vector<absl::string_view>& kv_per_layer) {
+  Working work(&work_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Know(sequence_id);
+  }
   return OnSequence(sequence_id, options_.upload_timeout, [&](Client* c, const CallOptions& call) {
     return c->AppendKvLayers(sequence_id, kv_per_layer, call);
   });
@@ -523,6 +541,7 @@ absl::StatusOr<std::string> ShardedClient::ForkSequence(absl::string_view sequen
     if (!r.ok()) return r.status();
     fork_id = *r;
   }
+  Working work(&work_);
   Placement parent;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -534,6 +553,7 @@ absl::StatusOr<std::string> ShardedClient::ForkSequence(absl::string_view sequen
   if (r.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     placements_[*r] = parent;
+    Know(*r);
   }
   return r;
 }
@@ -548,6 +568,8 @@ absl::StatusOr<int64_t> ShardedClient::ReleaseSequence(absl::string_view sequenc
     std::lock_guard<std::mutex> lock(mu_);
     auto it = placements_.find(sequence_id);
     if (it != placements_.end()) placements_.erase(it);
+    auto k = known_.find(sequence_id);
+    if (k != known_.end()) known_.erase(k);
   }
   return r;
 }
@@ -569,6 +591,37 @@ absl::StatusOr<std::map<uint64_t, v1::StepResult>> ShardedClient::DecodeBatch(st
     }
   }
   std::map<uint64_t, v1::StepResult> results;
+  std::vector<v1::DecodeStep> unavailable;
+  std::vector<int> from;  // the daemon that refused each
+  {
+    Working work(&work_);
+    DecodeRound(std::move(steps), &results, &unavailable, &from);
+  }
+  if (unavailable.empty() || !options_.move_on_drain || options_.via_proxy) return results;
+  // Refused by a daemon that may be draining: if it is, its sequences move, and the
+  // refused steps (which it never ran) go again to their new daemons, once.
+  // Another thread (or the health checks) may have moved them already: what counts is
+  // that the daemon that refused a step drains and its sequence now lives elsewhere.
+  for (int t : std::set<int>(from.begin(), from.end())) MoveOffDraining(t);
+  std::vector<v1::DecodeStep> again;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < unavailable.size(); ++i) {
+      const int t = PlacementLocked(unavailable[i].sequence_id()).target;
+      if (targets_[from[i]]->draining && t != from[i] && UsableLocked(t)) again.push_back(std::move(unavailable[i]));
+    }
+  }
+  if (again.empty()) return results;
+  std::vector<v1::DecodeStep> still;
+  std::vector<int> still_from;
+  Working work(&work_);
+  DecodeRound(std::move(again), &results, &still, &still_from);
+  return results;
+}
+
+void ShardedClient::DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint64_t, v1::StepResult>* out,
+                                std::vector<v1::DecodeStep>* unavailable, std::vector<int>* from) {
+  std::map<uint64_t, v1::StepResult>& results = *out;
   // By daemon; through a proxy by route key, since a stream goes where its key does.
   std::map<std::string, Group> groups;
   struct Refused {
@@ -580,9 +633,12 @@ absl::StatusOr<std::map<uint64_t, v1::StepResult>> ShardedClient::DecodeBatch(st
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& s : steps) {
+      Know(s.sequence_id());
       Placement p = PlacementLocked(s.sequence_id());
       if (!UsableLocked(p.target)) {
         refused.push_back({s.request_id(), p.target, s.sequence_id()});
+        unavailable->push_back(std::move(s));
+        from->push_back(p.target);
         continue;
       }
       const std::string key = options_.via_proxy ? p.route : std::to_string(p.target);
@@ -651,8 +707,105 @@ absl::StatusOr<std::map<uint64_t, v1::StepResult>> ShardedClient::DecodeBatch(st
           s.request_id(), code,
           absl::StrCat("no result: the Decode stream to ", where, " ended with ", StatusString(st)));
     }
+    // The refused steps, tensors back from their messages, for a caller that may send
+    // them again elsewhere.
+    for (auto& m : g.call->messages()) {
+      for (auto& step : *m.mutable_steps()) {
+        if (results[step.request_id()].code() != grpc::StatusCode::UNAVAILABLE) continue;
+        unavailable->push_back(std::move(step));
+        from->push_back(g.target);
+      }
+    }
   }
-  return results;
+}
+
+void ShardedClient::Know(absl::string_view sequence_id) {
+  if (known_.find(sequence_id) == known_.end()) known_.emplace(sequence_id);
+}
+
+int64_t ShardedClient::moved_sequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return moved_;
+}
+
+int ShardedClient::MoveOffDraining(int target) {
+  if (options_.via_proxy || target < 0 || target >= num_targets()) return 0;
+  std::lock_guard<std::mutex> one_mover(move_mu_);
+  std::vector<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& id : known_) {
+      if (PlacementLocked(id).target == target) ids.push_back(id);
+    }
+    Target& t = *targets_[target];
+    if (ids.empty()) return 0;
+    // A daemon that is gone (not draining) is asked again only after a while.
+    if (!t.draining && absl::Now() - t.last_drain_probe < options_.health_interval) return 0;
+    t.last_drain_probe = absl::Now();
+  }
+  Target& t = *targets_[target];
+  auto info = t.client->GetInfo(options_.health_timeout);
+  if (!info.ok() || !info->draining()) return 0;
+  MarkDown(target, "draining");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t.draining = true;
+  }
+  // No batch or upload of this client is under way meanwhile: every row it sent is in.
+  work_.Lock();
+  int moved = 0;
+  for (const std::string& id : ids) {
+    int to = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (PlacementLocked(id).target != target || !known_.count(id)) continue;  // released or moved meanwhile
+      for (int c : ring_.Preference(id)) {
+        if (c != target && UsableLocked(c)) {
+          to = c;
+          break;
+        }
+      }
+    }
+    if (to < 0) break;  // nowhere to go
+    CallOptions from_call, to_call;
+    from_call.route = to_call.route = id;
+    from_call.timeout = to_call.timeout = options_.move_timeout;
+    auto r = t.client->MoveSequence(id, targets_[to]->client.get(), from_call, to_call);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r.ok()) {
+      placements_[id] = {to, id};
+      ++moved;
+      ++moved_;
+    } else if (r.status().code() == absl::StatusCode::kNotFound) {
+      known_.erase(id);  // released there (its idle TTL), or moved by another client
+    }
+  }
+  work_.Unlock();
+  return moved;
+}
+
+void ShardedClient::WorkGate::Enter() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !mover_; });
+  ++active_;
+}
+
+void ShardedClient::WorkGate::Leave() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--active_ == 0) cv_.notify_all();
+}
+
+void ShardedClient::WorkGate::Lock() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !mover_; });
+  mover_ = true;
+  cv_.wait(lock, [this] { return active_ == 0; });
+}
+
+void ShardedClient::WorkGate::Unlock() {
+  std::lock_guard<std::mutex> lock(mu_);
+  mover_ = false;
+  cv_.notify_all();
 }
 
 }  // namespace latentd::client

@@ -24,6 +24,15 @@
 // sequence (CreateSequence with the same id) and upload its KV again. A step cut off by
 // a broken stream may or may not have been applied: after a recovery, GetSequence tells.
 //
+// Draining daemons (client-side hashing, move_on_drain): when a daemon reports that it
+// drains (health NOT_SERVING, or steps refused UNAVAILABLE while its GetInfo says
+// draining), the client moves every sequence it knows on that daemon to the sequence's
+// next live daemon on the ring (ExportSequence there, ImportSequence on the new owner,
+// ReleaseSequence on the old; docs/export-import.md) and sends the batch's refused
+// steps again there, so a SIGTERM loses none of its sequences. Moves wait for this
+// client's batches and uploads under way, so no row of its own is in flight meanwhile.
+// A sequence this client knows is one it created, forked, moved or used.
+//
 // A fork lives on its parent's daemon: the client records it (and re-created sequences)
 // and routes them there. Those records are this process's; another process finds a
 // sequence by the hash of its id, which agrees whenever the sequence was created while
@@ -37,6 +46,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -77,6 +87,9 @@ struct ShardedClientOptions {
   // salted route keys (SaltedRoute in hash_ring.h, which hash elsewhere) this many times in all: each
   // lands on a dead daemon with the dead ones' share of the ring (1/3 for one of 3).
   int proxy_create_attempts = 16;
+  // Move a draining daemon's sequences to their next owner (client-side hashing only).
+  bool move_on_drain = true;
+  absl::Duration move_timeout = absl::Minutes(2);  // one sequence's export and import
 };
 
 struct TargetStatus {
@@ -131,8 +144,16 @@ class ShardedClient {
   absl::StatusOr<v1::SequenceInfo> GetSequence(absl::string_view sequence_id);
 
   // One batch of steps of any sequences (request_ids unique within the call, else
-  // INVALID_ARGUMENT): returns a result for every step, keyed by request_id.
+  // INVALID_ARGUMENT): returns a result for every step, keyed by request_id. Steps a
+  // draining daemon refused run again on their sequence's new daemon once it moved.
   absl::StatusOr<std::map<uint64_t, v1::StepResult>> DecodeBatch(std::vector<v1::DecodeStep> steps);
+
+  // Moves every sequence this client knows on `target` to its next live daemon on the
+  // ring, if the target says it is draining (GetInfo); returns how many moved. Also
+  // done by DecodeBatch and the health checks when they see a daemon draining.
+  int MoveOffDraining(int target);
+  // Sequences moved off draining daemons so far.
+  int64_t moved_sequences() const;
 
   // The per-daemon client (through a proxy, target 0 is the proxy).
   Client* client(int target) { return targets_[target]->client.get(); }
@@ -147,6 +168,8 @@ class ShardedClient {
     bool verified = false;  // its ServerInfo was read and matches the model
     int failures = 0;
     std::string last_error;
+    bool draining = false;       // its GetInfo said so
+    absl::Time last_drain_probe;  // when MoveOffDraining last asked it
   };
   struct Placement {
     int target = 0;
@@ -165,6 +188,11 @@ class ShardedClient {
   template <typename Fn>
   auto OnSequence(absl::string_view sequence_id, absl::Duration timeout, Fn fn) -> decltype(fn(nullptr, CallOptions()));
   void HealthLoop();
+  // A batch's steps in one round: results into *results, the steps that came back
+  // UNAVAILABLE (with their tensors) into *unavailable and their daemons into *from.
+  void DecodeRound(std::vector<v1::DecodeStep> steps, std::map<uint64_t, v1::StepResult>* results,
+                   std::vector<v1::DecodeStep>* unavailable, std::vector<int>* from);
+  void Know(absl::string_view sequence_id);  // under mu_
 
   const ShardedClientOptions options_;
   const HashRing ring_;
@@ -174,6 +202,30 @@ class ShardedClient {
 
   mutable std::mutex mu_;
   std::map<std::string, Placement, std::less<>> placements_;  // guarded by mu_
+  std::set<std::string, std::less<>> known_;                  // guarded by mu_
+  int64_t moved_ = 0;                                         // guarded by mu_
+  // Batches and uploads enter it together; a move waits for them to leave and holds
+  // new ones back meanwhile (a mover is never starved by a steady flow of batches).
+  class WorkGate {
+   public:
+    void Enter();
+    void Leave();
+    void Lock();
+    void Unlock();
+
+   private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    int active_ = 0;     // guarded by mu_
+    bool mover_ = false;  // guarded by mu_
+  };
+  struct Working {
+    explicit Working(WorkGate* g) : gate(g) { gate->Enter(); }
+    ~Working() { gate->Leave(); }
+    WorkGate* gate;
+  };
+  WorkGate work_;
+  std::mutex move_mu_;  // one mover at a time
 
   std::mutex health_mu_;  // serializes CheckHealth
   std::mutex stop_mu_;

@@ -79,6 +79,18 @@ class CudaKvStorage final : public KvStorage {
     return absl::OkStatus();
   }
 
+  absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) override {
+    if (absl::Status s = CheckRowRange(config_, layer, page, row, n, src); !s.ok()) return s;
+    if (n == 0) return absl::OkStatus();
+    LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    // The import's buffer is pageable and reused at once: staged by CUDA before the
+    // call returns, like WriteRows' sources.
+    LATENTD_KV_CUDA(cudaMemcpyAsync(RowPtr(layer, page, row), src, n * config_.row_bytes(),
+                                    cudaMemcpyHostToDevice, stream_),
+                    "write stored rows");
+    return absl::OkStatus();
+  }
+
   absl::Status CopyPage(int32_t src_page, int32_t dst_page) override {
     if (absl::Status s = CheckPagePair(config_, src_page, dst_page); !s.ok()) return s;
     if (src_page == dst_page) return absl::OkStatus();

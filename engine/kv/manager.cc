@@ -457,6 +457,127 @@ absl::Status KvCacheManager::ReserveAppend(Sequence* seq, int layer, int n,
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n,
+                                            void* dst) const {
+  if (seq == nullptr) return absl::InvalidArgumentError("sequence: null");
+  if (layer < 0 || layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " is out of range [0, ", config_.num_layers, ")"));
+  }
+  if (first_row < 0 || n < 0 || first_row + n > seq->lengths[layer]) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: [", first_row, ", ", first_row + n,
+                                                   ") are not below layer ", layer, "'s length ",
+                                                   seq->lengths[layer]));
+  }
+  if (storage_ == nullptr) return absl::FailedPreconditionError("kv cache: reading rows needs a storage");
+  char* out = static_cast<char*>(dst);
+  for (int64_t pos = first_row, end = first_row + n; pos < end;) {
+    const int row = static_cast<int>(pos % kPageSize);
+    const int run = static_cast<int>(std::min<int64_t>(end - pos, kPageSize - row));
+    if (absl::Status s = storage_->ReadRows(layer, seq->block_table[pos / kPageSize], row, run, out); !s.ok()) {
+      return s;
+    }
+    out += run * config_.row_bytes();
+    pos += run;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<PageKey> KvCacheManager::PublishedKeys(const Sequence* seq) const {
+  std::vector<PageKey> keys;
+  const size_t full = static_cast<size_t>(MinLength(seq->lengths) / kPageSize);
+  for (size_t i = 0; i < full && i < seq->block_table.size() && keyed_[seq->block_table[i]]; ++i) {
+    keys.push_back(key_of_[seq->block_table[i]]);
+  }
+  return keys;
+}
+
+absl::StatusOr<Sequence*> KvCacheManager::BeginImport(const std::vector<int64_t>& lengths) {
+  if (lengths.size() != static_cast<size_t>(config_.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lengths: expected ", config_.num_layers, " layers, got ", lengths.size()));
+  }
+  for (size_t l = 0; l < lengths.size(); ++l) {
+    if (lengths[l] < 0 || PagesForTokens(lengths[l]) > config_.num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat("lengths[", l, "]: expected 0 to ",
+                                                     config_.num_pages * kPageSize, " rows, got ", lengths[l]));
+    }
+  }
+  const int64_t need = PagesForTokens(MaxLength(lengths));
+  if (need > free_pages()) {
+    return absl::ResourceExhaustedError(absl::StrCat("lengths: the sequence needs ", need,
+                                                     " pages, the kv cache has ", free_pages(), " free"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->lengths = lengths;
+  seq->block_table.reserve(static_cast<size_t>(need));
+  for (int64_t i = 0; i < need; ++i) seq->block_table.push_back(AllocPage());
+  Sequence* raw = seq.get();
+  pending_.emplace(raw, std::move(seq));
+  return raw;
+}
+
+absl::Status KvCacheManager::WriteImportRows(Sequence* pending, int layer, int64_t first_row, int64_t n,
+                                             const void* rows) {
+  if (!pending_.contains(pending)) return absl::InvalidArgumentError("sequence: not a pending import");
+  if (layer < 0 || layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " is out of range [0, ", config_.num_layers, ")"));
+  }
+  if (first_row < 0 || n < 0 || first_row + n > pending->lengths[layer]) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: [", first_row, ", ", first_row + n,
+                                                   ") are not below layer ", layer, "'s length ",
+                                                   pending->lengths[layer]));
+  }
+  if (n > 0 && rows == nullptr) return absl::InvalidArgumentError("rows: null");
+  if (storage_ == nullptr) return absl::FailedPreconditionError("kv cache: writing rows needs a storage");
+  const char* src = static_cast<const char*>(rows);
+  for (int64_t pos = first_row, end = first_row + n; pos < end;) {
+    const int row = static_cast<int>(pos % kPageSize);
+    const int run = static_cast<int>(std::min<int64_t>(end - pos, kPageSize - row));
+    // The pages are the pending sequence's own (reserved fresh, unkeyed): no copy-on-write.
+    if (absl::Status s = storage_->WriteStoredRows(layer, pending->block_table[pos / kPageSize], row, run, src);
+        !s.ok()) {
+      return s;
+    }
+    src += run * config_.row_bytes();
+    pos += run;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Sequence*> KvCacheManager::CommitImport(Sequence* pending, absl::string_view id,
+                                                       const std::vector<PageKey>& keys) {
+  auto it = pending_.find(pending);
+  if (it == pending_.end()) return absl::InvalidArgumentError("sequence: not a pending import");
+  if (keys.size() > pending->block_table.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("page_keys: ", keys.size(), " keys for a sequence of ",
+                                                   pending->block_table.size(), " pages"));
+  }
+  absl::StatusOr<std::string> new_id = NewId(id, "sequence_id");
+  if (!new_id.ok()) return new_id.status();
+  std::unique_ptr<Sequence> seq = std::move(it->second);
+  pending_.erase(it);
+  seq->id = *std::move(new_id);
+  seq->last_used = absl::Now();
+  seq->serial = next_serial_++;
+  seq->keys = keys;
+  seq->published = 0;
+  seq->prefix_tokens = 0;
+  PublishFull(seq.get());
+  Sequence* raw = seq.get();
+  sequences_.emplace(raw->id, std::move(seq));
+  Touch(raw, raw->last_used);
+  return raw;
+}
+
+void KvCacheManager::AbortImport(Sequence* pending) {
+  auto it = pending_.find(pending);
+  if (it == pending_.end()) return;
+  for (int32_t page : it->second->block_table) Unref(page);
+  pending_.erase(it);
+}
+
 void KvCacheManager::TruncateLayer(Sequence* seq, int layer, int64_t new_length) {
   if (seq == nullptr || layer < 0 || layer >= config_.num_layers) return;
   int64_t& length = seq->lengths[layer];
@@ -580,6 +701,17 @@ absl::Status KvCacheManager::CheckConsistency() const {
       if (page < 0 || page >= config_.num_pages) {
         return absl::InternalError(
             absl::StrCat("sequence ", Quote(id), " holds out-of-range page ", page));
+      }
+      ++refs[page];
+    }
+  }
+  for (const auto& [ptr, seq] : pending_) {
+    if (seq->block_table.size() != static_cast<size_t>(PagesForTokens(MaxLength(seq->lengths)))) {
+      return absl::InternalError(absl::StrCat("a pending import holds ", seq->block_table.size(), " pages"));
+    }
+    for (int32_t page : seq->block_table) {
+      if (page < 0 || page >= config_.num_pages) {
+        return absl::InternalError(absl::StrCat("a pending import holds out-of-range page ", page));
       }
       ++refs[page];
     }

@@ -115,6 +115,27 @@ class KvCacheManager {
   // length are garbage and later appends overwrite them.
   void TruncateLayer(Sequence* seq, int layer, int64_t new_length);
 
+  // Export and import (docs/export-import.md). ReadStoredRows copies rows
+  // [first_row, first_row + n) of a layer, as stored (n * row_bytes), into host memory;
+  // INVALID_ARGUMENT when they are not all below the layer's length.
+  absl::Status ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n, void* dst) const;
+  // The published content keys of the sequence's leading pages: page i's while every
+  // page before it has one and every layer has filled it.
+  std::vector<PageKey> PublishedKeys(const Sequence* seq) const;
+  // An import builds a sequence out of sight. BeginImport reserves every page the
+  // lengths need up front (RESOURCE_EXHAUSTED naming "lengths", nothing taken, when the
+  // free pages cannot hold them) and returns a pending sequence of those lengths that
+  // Find, the idle list and num_sequences do not see. WriteImportRows fills its rows as
+  // stored; CommitImport gives it its id (as CreateSequence: ALREADY_EXISTS or
+  // INVALID_ARGUMENT, and then the import stays pending) and publishes `keys` for its
+  // leading full pages; AbortImport gives its pages back. A pending sequence is passed
+  // to nothing else.
+  absl::StatusOr<Sequence*> BeginImport(const std::vector<int64_t>& lengths);
+  absl::Status WriteImportRows(Sequence* pending, int layer, int64_t first_row, int64_t n, const void* rows);
+  absl::StatusOr<Sequence*> CommitImport(Sequence* pending, absl::string_view id, const std::vector<PageKey>& keys);
+  void AbortImport(Sequence* pending);
+  int64_t pending_imports() const { return static_cast<int64_t>(pending_.size()); }
+
   // Logical page ids, shared by every layer: layer l's storage pages are these plus
   // config().PageOffset(l). Its size is ceil(max layer length / 64).
   const std::vector<int32_t>& BlockTable(const Sequence* seq) const;
@@ -217,6 +238,7 @@ class KvCacheManager {
   uint64_t reads_opened_ = 0, reads_closed_ = 0;
   int64_t high_water_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_;
+  absl::flat_hash_map<Sequence*, std::unique_ptr<Sequence>> pending_;  // imports not yet committed
   // Prefix cache: published keys and their pages; per page its key and its place on the
   // list of cached (unreferenced) pages, least recently cached first.
   absl::flat_hash_map<PageKey, int32_t> by_key_;

@@ -85,6 +85,55 @@ class ManagerTest : public ::testing::Test {
   std::unique_ptr<KvCacheManager> mgr_;
 };
 
+// An import: every page reserved at the start and invisible until the commit, rows
+// written as stored, keys published at the commit; aborting or a taken id leaves the
+// pool as it was.
+TEST_F(ManagerTest, ImportReservesUpFrontAndAppearsOnlyAtCommit) {
+  Sequence* src = Create("src");
+  AppendAll(src, 100, 500);
+  std::vector<char> stored(100 * config_.row_bytes());
+  ASSERT_TRUE(mgr_->ReadStoredRows(src, 1, 0, 100, stored.data()).ok());
+  EXPECT_FALSE(mgr_->ReadStoredRows(src, 1, 50, 51, stored.data()).ok());  // past the length
+
+  const int64_t free_before = mgr_->free_pages();
+  auto full = mgr_->BeginImport(std::vector<int64_t>(kLayers, 7 * kPageSize));
+  EXPECT_TRUE(absl::IsResourceExhausted(full.status())) << full.status();
+  EXPECT_EQ(mgr_->free_pages(), free_before);
+  EXPECT_TRUE(absl::IsInvalidArgument(mgr_->BeginImport({1}).status()));
+
+  auto pending = mgr_->BeginImport(std::vector<int64_t>(kLayers, 100));
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(mgr_->free_pages(), free_before - 2);
+  EXPECT_EQ(mgr_->num_sequences(), 1);
+  EXPECT_EQ(mgr_->pending_imports(), 1);
+  ExpectConsistent();
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(mgr_->ReadStoredRows(src, l, 0, 100, stored.data()).ok());
+    ASSERT_TRUE(mgr_->WriteImportRows(*pending, l, 0, 60, stored.data()).ok());
+    ASSERT_TRUE(mgr_->WriteImportRows(*pending, l, 60, 40, stored.data() + 60 * config_.row_bytes()).ok());
+  }
+  EXPECT_FALSE(mgr_->WriteImportRows(*pending, 0, 99, 2, stored.data()).ok());
+  // A taken id keeps it pending.
+  EXPECT_TRUE(absl::IsAlreadyExists(mgr_->CommitImport(*pending, "src", {}).status()));
+  EXPECT_EQ(mgr_->pending_imports(), 1);
+  auto seq = mgr_->CommitImport(*pending, "copy", {PageKey{1, 2}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(mgr_->pending_imports(), 0);
+  EXPECT_EQ(mgr_->Find("copy"), *seq);
+  for (int l = 0; l < kLayers; ++l) ExpectRows(*seq, l, 0, 100, 500);
+  EXPECT_TRUE(mgr_->Keyed(mgr_->BlockTable(*seq)[0]));
+  EXPECT_FALSE(mgr_->Keyed(mgr_->BlockTable(*seq)[1]));
+  EXPECT_EQ(mgr_->PublishedKeys(*seq).size(), 1u);
+  ExpectConsistent();
+
+  auto dropped = mgr_->BeginImport(std::vector<int64_t>(kLayers, 70));
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  mgr_->AbortImport(*dropped);
+  EXPECT_EQ(mgr_->free_pages(), free_before - 2);
+  EXPECT_EQ(mgr_->pending_imports(), 0);
+  ExpectConsistent();
+}
+
 TEST_F(ManagerTest, CreateWithClientId) {
   Sequence* s = Create("beam-1:a.b_c");
   ASSERT_NE(s, nullptr);
@@ -695,6 +744,10 @@ class FaultyStorage final : public KvStorage {
   }
   absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) override {
     return inner_->ReadRows(layer, page, row, n, dst);
+  }
+  absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) override {
+    if (writes_left_ >= 0 && writes_left_-- == 0) return absl::InternalError("injected write");
+    return inner_->WriteStoredRows(layer, page, row, n, src);
   }
   absl::Status CopyPage(int32_t src_page, int32_t dst_page) override {
     if (copies_left_ >= 0 && copies_left_-- == 0) return absl::InternalError("injected copy");

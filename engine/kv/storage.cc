@@ -88,6 +88,12 @@ class HostKvStorage final : public KvStorage {
     return absl::OkStatus();
   }
 
+  absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) override {
+    if (absl::Status s = CheckRowRange(config_, layer, page, row, n, src); !s.ok()) return s;
+    if (n > 0) std::memcpy(RowPtr(layer, page, row), src, n * config_.row_bytes());
+    return absl::OkStatus();
+  }
+
   absl::Status CopyPage(int32_t src_page, int32_t dst_page) override {
     if (absl::Status s = CheckPagePair(config_, src_page, dst_page); !s.ok()) return s;
     if (src_page == dst_page) return absl::OkStatus();

@@ -30,6 +30,11 @@ class KvStorage {
   // The stored bytes (n * row_bytes: fp8 rows stay quantized) into host memory `dst`;
   // complete when it returns. For tests and debugging.
   virtual absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) = 0;
+  // Copies n rows already in the storage format (n * row_bytes: fp8 rows as
+  // ReadRows returns them) from host memory `src` into rows [row, row + n) of `layer`
+  // in logical page `page`, unchanged: an import writes another pool's rows with it.
+  // `src` may be reused once it returns.
+  virtual absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) = 0;
   // Copies logical page `src_page` onto `dst_page` in every layer (copy-on-write).
   virtual absl::Status CopyPage(int32_t src_page, int32_t dst_page) = 0;
   // Waits until every write and copy issued so far has landed (no-op on the host).

@@ -3,6 +3,7 @@
 // writes.
 #include "engine/kv/storage.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -171,6 +172,27 @@ TEST(HostKvStorage, Fp8WritesQuantizedRowsAndReadsStoredBytes) {
       for (int d = kernels::kHeadDimV; d < kHeadDim; ++d) ASSERT_EQ(deq[d], in[r * kHeadDim + d]) << "rope " << d;
     }
   }
+}
+
+// An import's rows: stored bytes written unchanged (no second quantization), and the
+// same argument checks as WriteRows.
+TEST(HostKvStorage, WriteStoredRowsCopiesStoredBytesUnchanged) {
+  auto c = KvCacheConfig::FromPages(2, 1, 3, 2, kernels::KvDType::kFp8E4M3, kernels::DType::kBF16);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto s = MakeHostKvStorage(*c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  KvStorage& st = **s;
+  const auto in = InputRows(*c, 5, 11, /*specials=*/true);
+  ASSERT_TRUE(st.WriteRows(0, 0, 3, 5, in.data()).ok());
+  std::vector<uint8_t> stored(5 * c->row_bytes());
+  ASSERT_TRUE(st.ReadRows(0, 0, 3, 5, stored.data()).ok());
+  ASSERT_TRUE(st.WriteStoredRows(1, 2, 60, 4, stored.data()).ok());
+  std::vector<uint8_t> back(4 * c->row_bytes());
+  ASSERT_TRUE(st.ReadRows(1, 2, 60, 4, back.data()).ok());
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), stored.begin()));
+  EXPECT_FALSE(st.WriteStoredRows(1, 2, 61, 4, stored.data()).ok());  // past the page
+  EXPECT_FALSE(st.WriteStoredRows(2, 0, 0, 1, stored.data()).ok());   // no layer 2
+  EXPECT_FALSE(st.WriteStoredRows(0, 0, 0, 1, nullptr).ok());
 }
 
 TEST(HostKvStorage, Fp8CopyPageCopiesStoredPages) {

@@ -57,6 +57,12 @@ std::string Harness::Fork(const std::string& id) {
   return *forked;
 }
 
+void Harness::Adopt(const Harness& from, const std::string& from_id, const std::string& id) {
+  auto it = from.shadows_.find(from_id);
+  ASSERT_NE(it, from.shadows_.end()) << "no rows recorded for " << from_id;
+  shadows_[id] = it->second;
+}
+
 Harness::Pending* Harness::MakeStep(const std::string& id, int layer, int s_q, bool causal) {
   auto p = std::make_unique<Pending>();
   std::normal_distribution<float> normal(0.f, 1.f);

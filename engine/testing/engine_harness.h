@@ -29,6 +29,9 @@ class Harness : public StepCallback {
   // Creates a sequence and uploads `prefix` random rows to every layer.
   std::string NewSequence(int prefix, const std::string& id = "");
   std::string Fork(const std::string& id);
+  // Takes over another harness's record of a sequence's rows under `id` (a sequence
+  // imported into this harness's engine from the other's), so steps on it are checked.
+  void Adopt(const Harness& from, const std::string& from_id, const std::string& id);
 
   struct Pending {
     DecodeStep step;

@@ -270,7 +270,8 @@ class MetricsTest(unittest.TestCase):
         # dashboards only by accident).
         reasons = {labels["reason"] for labels, _ in p.query("latentd_rejections_total")}
         self.assertEqual(reasons, {"queue_full", "out_of_pages", "invalid", "deadline", "cancelled",
-                                   "max_sequences", "streams", "inflight_bytes", "message", "upload", "region", "ring"})
+                                   "max_sequences", "streams", "inflight_bytes", "message", "upload", "region", "ring",
+                                   "transfer_streams"})
 
         # The daemon still drains cleanly with the exporter running.
         self.client.close()

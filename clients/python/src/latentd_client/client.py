@@ -248,6 +248,47 @@ class LatentdClient(ModelWire):
 
         return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
 
+    def export_sequence(self, sequence_id, max_chunk_bytes=0, route=None, timeout=None):
+        """Yields the sequence's SequenceChunk messages (docs/export-import.md): the header
+        first, its stored rows layer by layer, last=True with the totals at the end. A
+        draining daemon answers too. Raises LatentdError if the stream fails part-way."""
+        req = latentd_pb2.ExportSequenceRequest(sequence_id=sequence_id, max_chunk_bytes=max_chunk_bytes)
+        try:
+            yield from self.stub.ExportSequence(req, metadata=self.metadata(route or sequence_id), timeout=timeout)
+        except grpc.RpcError as e:
+            raise LatentdError(e.code(), e.details()) from None
+
+    def import_sequence(self, chunks, sequence_id="", route=None, timeout=None):
+        """Creates a sequence from an export's chunks (any iterable, consumed as sent),
+        under sequence_id or else the header's id. All or nothing on the server: a
+        stream that fails or ends early leaves nothing there. Returns the
+        ImportSequenceResponse (sequence_id, lengths, rows, bytes)."""
+        first = [True]
+
+        def messages():
+            for c in chunks:
+                if first[0] and sequence_id:
+                    c = latentd_pb2.SequenceChunk.FromString(c.SerializeToString())
+                    c.sequence_id = sequence_id
+                first[0] = False
+                yield c
+
+        return self._call(self.stub.ImportSequence, messages(), route or sequence_id or None, timeout)
+
+    def move_sequence(self, sequence_id, to, route=None, timeout=None):
+        """Moves a sequence to client `to` under the same id: exported here and imported
+        there chunk by chunk, then released here. If either side fails, nothing is left
+        on `to` and the sequence stays here (LatentdError). Returns the
+        ImportSequenceResponse."""
+        resp = to.import_sequence(self.export_sequence(sequence_id, route=route, timeout=timeout),
+                                  route=route or sequence_id, timeout=timeout)
+        try:
+            self.release_sequence(sequence_id, route=route, timeout=timeout)
+        except LatentdError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                raise
+        return resp
+
     def open_session(self, route=None):
         """A Decode stream; route: its x-latentd-route (through a proxy the whole stream
         goes to that key's daemon, so it should carry that sequence's steps only)."""

@@ -104,6 +104,13 @@ def missing_result_code(code):
     return (code if code in keep else grpc.StatusCode.UNAVAILABLE).value[0]
 
 
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def _code_of(result):
+    return result[0] if isinstance(result, tuple) else result.code
+
+
 def _same_model(a, b):
     return (a.num_layers, a.num_heads_q, a.num_heads_kv, a.head_dim_qk, a.head_dim_v, a.dtype, a.softmax_scale) == \
         (b.num_layers, b.num_heads_q, b.num_heads_kv, b.head_dim_qk, b.head_dim_v, b.dtype, b.softmax_scale)
@@ -123,6 +130,39 @@ class _Target:
         self.verified = False
         self.failures = 0
         self.last_error = ""
+        self.draining = False      # its GetInfo said so
+        self.last_drain_probe = 0.0
+
+
+class _WorkGate:
+    """Batches and uploads enter together; a move waits for them to leave and holds new
+    ones back meanwhile (so no row of this client is in flight while it moves)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._active = 0
+        self._mover = False
+
+    def __enter__(self):
+        with self._cv:
+            self._cv.wait_for(lambda: not self._mover)
+            self._active += 1
+
+    def __exit__(self, *exc):
+        with self._cv:
+            self._active -= 1
+            self._cv.notify_all()
+
+    def lock(self):
+        with self._cv:
+            self._cv.wait_for(lambda: not self._mover)
+            self._mover = True
+            self._cv.wait_for(lambda: self._active == 0)
+
+    def unlock(self):
+        with self._cv:
+            self._mover = False
+            self._cv.notify_all()
 
 
 class ShardedClient(ModelWire):
@@ -142,13 +182,19 @@ class ShardedClient(ModelWire):
 
     Forks live beside their parent, and re-created sequences where they were placed:
     this client records both. Thread-safe.
+
+    Draining daemons (client-side hashing, move_on_drain): when a daemon reports that it
+    drains (health NOT_SERVING, or steps refused UNAVAILABLE while its GetInfo says
+    draining), every sequence this client knows there (created, forked, moved or used
+    through it) moves to its next live daemon on the ring (export, import, release;
+    docs/export-import.md), and decode_batch sends the refused steps again there.
     """
 
     def __init__(self, targets, via_proxy=False, auth_token=None, tls=False, root_certificates=None,
                  server_name=None, virtual_nodes=HashRing.DEFAULT_VIRTUAL_NODES, connect_timeout=5.0,
                  health_interval=1.0, health_timeout=2.0, unhealthy_after=2, rpc_timeout=30.0,
                  upload_timeout=600.0, batch_timeout=30.0, max_steps_per_message=256, proxy_create_attempts=16,
-                 append_chunk_bytes=4 << 20):
+                 append_chunk_bytes=4 << 20, move_on_drain=True, move_timeout=120.0):
         targets = list(targets)
         if not targets:
             raise ValueError("targets: empty")
@@ -167,6 +213,13 @@ class ShardedClient(ModelWire):
         self._proxy_attempts = max(1, proxy_create_attempts)
         self._lock = threading.Lock()
         self._placements = {}  # sequence id -> (target index, route key)
+        self._known = set()    # sequences this client created, forked, moved or used
+        self._moved = 0
+        self._move_on_drain = move_on_drain and not via_proxy
+        self._move_timeout = move_timeout
+        self._health_interval = health_interval or 0
+        self._work = _WorkGate()
+        self._move_lock = threading.Lock()
         self._ids = iter(range(1, 1 << 63))
         self._ids_lock = threading.Lock()
         self._stop = threading.Event()
@@ -323,7 +376,8 @@ class ShardedClient(ModelWire):
             return
         req = health_pb2.HealthCheckRequest(service=_DECODE_SERVICE)
         futures = [t.health.Check.future(req, timeout=self._health_timeout) for t in self._targets]
-        for t, f in zip(self._targets, futures):
+        draining = []
+        for i, (t, f) in enumerate(zip(self._targets, futures)):
             try:
                 resp = f.result()
             except grpc.RpcError as e:
@@ -334,6 +388,7 @@ class ShardedClient(ModelWire):
                         t.healthy = False
                 continue
             if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                draining.append(i)
                 with self._lock:
                     t.healthy = False
                     t.last_error = "health " + health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -352,6 +407,66 @@ class ShardedClient(ModelWire):
                     t.healthy, t.last_error = False, why
                 else:
                     t.verified, t.healthy, t.failures, t.last_error = True, True, 0, ""
+        if self._move_on_drain:
+            for i in draining:
+                self.move_off_draining(i)
+
+    # Draining daemons.
+    @property
+    def moved_sequences(self):
+        """Sequences moved off draining daemons so far."""
+        with self._lock:
+            return self._moved
+
+    def move_off_draining(self, target):
+        """Moves every sequence this client knows on `target` to its next live daemon on
+        the ring, if the target says it is draining (GetInfo); returns how many moved."""
+        if self.via_proxy or not 0 <= target < len(self._targets):
+            return 0
+        t = self._targets[target]
+        with self._move_lock:
+            with self._lock:
+                ids = [i for i in self._known if self._placement_locked(i)[0] == target]
+                if not ids:
+                    return 0
+                # A daemon that is gone (not draining) is asked again only after a while.
+                if not t.draining and time.monotonic() - t.last_drain_probe < self._health_interval:
+                    return 0
+                t.last_drain_probe = time.monotonic()
+            try:
+                info = t.client.get_info(timeout=self._health_timeout)
+            except LatentdError:
+                return 0
+            if not info.draining:
+                return 0
+            self._mark_down(target, "draining")
+            with self._lock:
+                t.draining = True
+            self._work.lock()  # no batch or upload of this client under way: every row is in
+            moved = 0
+            try:
+                for sid in ids:
+                    with self._lock:
+                        if sid not in self._known or self._placement_locked(sid)[0] != target:
+                            continue
+                        to = next((c for c in self.ring.preference(sid) if c != target and self._usable_locked(c)),
+                                  None)
+                    if to is None:
+                        break
+                    try:
+                        t.client.move_sequence(sid, self._targets[to].client, route=sid, timeout=self._move_timeout)
+                    except LatentdError as e:
+                        if e.code == grpc.StatusCode.NOT_FOUND:
+                            with self._lock:
+                                self._known.discard(sid)
+                        continue
+                    with self._lock:
+                        self._placements[sid] = (to, sid)
+                        self._moved += 1
+                    moved += 1
+            finally:
+                self._work.unlock()
+            return moved
 
     # Sequence RPCs.
     def _on_sequence(self, sequence_id, fn, timeout):
@@ -393,6 +508,7 @@ class ShardedClient(ModelWire):
                     continue
                 with self._lock:
                     self._placements[sid] = (0, route)
+                    self._known.add(sid)
                 return got
             raise LatentdError(grpc.StatusCode.UNAVAILABLE,
                                f"create_sequence {sid} through {self._targets[0].address}: {len(routes)} route keys "
@@ -418,22 +534,28 @@ class ShardedClient(ModelWire):
                 continue
             with self._lock:
                 self._placements[sid] = (t, sid)
+                self._known.add(sid)
             return got
         raise last
 
     def append_kv(self, sequence_id, rows_by_layer):
-        return self._on_sequence(sequence_id, lambda c, route, timeout: c.append_kv(
-            sequence_id, rows_by_layer, route=route, timeout=timeout), self._upload_timeout)
+        with self._lock:
+            self._known.add(sequence_id)
+        with self._work:
+            return self._on_sequence(sequence_id, lambda c, route, timeout: c.append_kv(
+                sequence_id, rows_by_layer, route=route, timeout=timeout), self._upload_timeout)
 
     def fork_sequence(self, sequence_id, new_sequence_id=""):
         """The fork is created beside its parent and routed there."""
         fork = new_sequence_id or secrets.token_hex(16)
         with self._lock:
             parent = self._placement_locked(sequence_id)
-        got = self._on_sequence(sequence_id, lambda c, route, timeout: c.fork_sequence(
-            sequence_id, fork, route=route, timeout=timeout), self._rpc_timeout)
+        with self._work:
+            got = self._on_sequence(sequence_id, lambda c, route, timeout: c.fork_sequence(
+                sequence_id, fork, route=route, timeout=timeout), self._rpc_timeout)
         with self._lock:
             self._placements[got] = parent
+            self._known.add(got)
         return got
 
     def release_sequence(self, sequence_id):
@@ -444,9 +566,11 @@ class ShardedClient(ModelWire):
             if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
                 with self._lock:
                     self._placements.pop(sequence_id, None)
+                    self._known.discard(sequence_id)
             raise
         with self._lock:
             self._placements.pop(sequence_id, None)
+            self._known.discard(sequence_id)
         return freed
 
     def get_sequence(self, sequence_id):
@@ -475,12 +599,49 @@ class ShardedClient(ModelWire):
                                                 s.get("causal", False), s.get("timeout_ms", 0))
             seqs[rid] = s["sequence_id"]
             protos.append(step)
+        origin = {}  # request id -> the daemon it went to (or was refused for)
+        with self._work:
+            results = self._decode_round(protos, seqs, origin)
+        unavailable = [p for p in protos if _code_of(results[p.request_id]) == _UNAVAILABLE]
+        if unavailable and self._move_on_drain:
+            # Refused by a daemon that may be draining: if it is, its sequences move and
+            # the refused steps (which it never ran) go again to their new daemons, once.
+            # Another thread (or the health checks) may have moved them already: what
+            # counts is that the refusing daemon drains and the sequence lives elsewhere.
+            for t in {origin[p.request_id] for p in unavailable}:
+                self.move_off_draining(t)
+            with self._lock:
+                again = []
+                for p in unavailable:
+                    now = self._placement_locked(p.sequence_id)[0]
+                    src = origin[p.request_id]
+                    if self._targets[src].draining and now != src and self._usable_locked(now):
+                        again.append(p)
+            if again:
+                with self._work:
+                    results.update(self._decode_round(again, seqs, {}))
+        out = []
+        empty = np.zeros((0,), np.float32)
+        for p in protos:
+            r = results[p.request_id]
+            if isinstance(r, tuple):  # refused here, or no result came
+                out.append(StepOutput(p.request_id, empty, empty, r[0], r[1]))
+            else:
+                out.append(self._step_output(r, s_q[p.request_id]))
+        return out
+
+    def _decode_round(self, protos, seqs, origin):
+        """One round of a batch: {request_id: StepResult, or (code, message, None) for a
+        step refused here or left without a result}; origin[request_id] is the daemon
+        each step went to or was refused for."""
         results = {}
         groups = {}  # key -> (target, route, [steps])
         refused = []
         with self._lock:
             for p in protos:
+                self._known.add(p.sequence_id)
                 target, route = self._placement_locked(p.sequence_id)
+                origin[p.request_id] = target
                 if not self._usable_locked(target):
                     refused.append((p.request_id, target))
                     continue
@@ -532,12 +693,4 @@ class ShardedClient(ModelWire):
                 if p.request_id not in results:
                     results[p.request_id] = (missing, f"no result: the Decode stream to {where} ended with "
                                                       f"{code.name}: {details}", None)
-        out = []
-        empty = np.zeros((0,), np.float32)
-        for p in protos:
-            r = results[p.request_id]
-            if isinstance(r, tuple):  # refused here, or no result came
-                out.append(StepOutput(p.request_id, empty, empty, r[0], r[1]))
-            else:
-                out.append(self._step_output(r, s_q[p.request_id]))
-        return out
+        return results
