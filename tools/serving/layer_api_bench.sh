@@ -20,7 +20,7 @@ fi
 for tp in 1 8; do
   port_file=$(mktemp)
   "$run/run" latentd --backend=cuda --model_dir="$ckpt" --tensor_parallel=$tp --tensor_rank=0 --listen=127.0.0.1:0 \
-    --port_file="$port_file" --max_rings=8 > /tmp/latentd-tp$tp.log 2>&1 &
+    --port_file="$port_file" --max_rings=8 --kv_bytes=$((16 << 30)) > /tmp/latentd-tp$tp.log 2>&1 &
   pid=$!
   for _ in $(seq 600); do [[ -s $port_file ]] && break; sleep 0.2; done
   [[ -s $port_file ]] || { cat /tmp/latentd-tp$tp.log; exit 1; }
@@ -30,7 +30,8 @@ for tp in 1 8; do
     for path in "" "--shm" "--ring"; do
       echo "== tp $tp ${api:-kernel-level} ${path:-grpc bytes}"
       "$run/run" runner_bench --target="$target" --batch=64 --layers=2 --prefix_len=4096 --tokens="$tokens" \
-        --warmup_tokens=5 $api $path 2>&1 | grep -vE "^setup" | tail -12
+        --warmup_tokens=5 $api $path 2>&1 |
+        grep -E "^(per-layer|layer-steps|layer API|first error|  launch|  stage|  client send|  server write)"
     done
   done
   kill "$pid"; wait "$pid" || true
