@@ -87,6 +87,13 @@ class HostLayerStage final : public LayerStage {
         return absl::Status(math.status().code(), absl::StrCat("layer ", lw.layer, ": ", math.status().message()));
       }
       st->weight_bytes_ += (*math)->weight_bytes();
+      // The scheduler calls the layers one after another: one set of scratch for all,
+      // sized for the largest batch now.
+      if (st->math_.empty()) {
+        (*math)->Reserve(o.max_batch_tokens);
+      } else {
+        (*math)->ShareScratch(*st->math_.front());
+      }
       st->math_.push_back(*std::move(math));
     }
     const size_t T = static_cast<size_t>(o.max_batch_tokens), H = st->hidden_, h = st->heads_;

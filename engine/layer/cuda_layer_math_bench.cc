@@ -141,7 +141,7 @@ void Run(int h, DType dt, int n, int iters, int warmup, int device, int max_posi
   const model::ModelConfig config = DeepSeekV3(dt);
   Fill fill(0x9e3779b97f4a7c15ull + h);
   const model::AttentionLayerWeights w = RandomWeights(config, h, fill);
-  const LayerMathOptions options{.num_heads = h, .max_positions = max_positions};
+  const LayerMathOptions options{.num_heads = h, .max_positions = max_positions, .rope = nullptr};
 
   // Enough copies of the layer that its weights cannot stay in L2 between calls, as in a model
   // whose 61 layers run in turn: every timed call reads its weights from device memory.

@@ -4,6 +4,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -85,6 +86,20 @@ absl::StatusOr<std::unique_ptr<CpuLayerMath>> CpuLayerMath::Create(const model::
   return m;
 }
 
+void CpuLayerMath::ShareScratch(const CpuLayerMath& other) { s_ = other.s_; }
+
+void CpuLayerMath::Reserve(int n) {
+  const size_t t = static_cast<size_t>(std::max(n, 1)), h = static_cast<size_t>(heads_);
+  Grow(s_->x, t * hidden_);
+  Grow(s_->q_a_out, t * q_rank_);
+  Grow(s_->q_full, t * h * (nope_ + kRopeDim));
+  Grow(s_->q_out, t * h * (kLatentRank + kRopeDim));
+  Grow(s_->kv, t * (kLatentRank + kRopeDim));
+  Grow(s_->latent, t * h * kLatentRank);
+  Grow(s_->o, t * h * v_dim_);
+  Grow(s_->out, t * hidden_);
+}
+
 std::unique_ptr<CpuLayerMath> CpuLayerMath::Clone() const {
   std::unique_ptr<CpuLayerMath> c(new CpuLayerMath(rope_));
   c->dtype_ = dtype_;
@@ -157,7 +172,7 @@ absl::Status CpuLayerMath::CheckTokens(size_t x_size, absl::Span<const int64_t> 
 }
 
 const float* CpuLayerMath::HiddenAsFloat(absl::Span<const uint16_t> x) {
-  float* xf = Grow(x_, x.size());
+  float* xf = Grow(s_->x, x.size());
   for (size_t i = 0; i < x.size(); ++i) xf[i] = kernels::HalfToFloat(dtype_, x[i]);
   return xf;
 }
@@ -183,9 +198,9 @@ void CpuLayerMath::QueriesFloat(const float* x, absl::Span<const int64_t> positi
   if (n == 0) return;
   const int qk = nope_ + kRopeDim;
   const int q_width = heads_ * qk;
-  float* full = Grow(q_full_, static_cast<size_t>(n) * q_width);
+  float* full = Grow(s_->q_full, static_cast<size_t>(n) * q_width);
   if (has_q_lora_) {
-    float* a = Grow(q_a_out_, static_cast<size_t>(n) * q_rank_);
+    float* a = Grow(s_->q_a_out, static_cast<size_t>(n) * q_rank_);
     Linear(x, n, w_->q_a, a);
     RmsNorm(a, n, q_rank_, q_rank_, w_->q_a_norm);
     Linear(a, n, w_->q_b, full);
@@ -194,7 +209,7 @@ void CpuLayerMath::QueriesFloat(const float* x, absl::Span<const int64_t> positi
   }
 
   const int out_width = heads_ * kernels::kHeadDimQK;
-  float* out = Grow(q_out_, static_cast<size_t>(n) * out_width);
+  float* out = Grow(s_->q_out, static_cast<size_t>(n) * out_width);
   // Absorption, head by head: q_lat_h [n, 512] = q_nope_h [n, nope] . W_UK_h [nope, 512], read
   // in place from q (row stride h * qk) and written in place into the output rows.
   for (int j = 0; j < heads_; ++j) {
@@ -233,7 +248,7 @@ void CpuLayerMath::LatentRowsFloat(const float* x, absl::Span<const int64_t> pos
   const int n = static_cast<int>(positions.size());
   if (n == 0) return;
   constexpr int kRow = kernels::kHeadDimQK;
-  float* kv = Grow(kv_, static_cast<size_t>(n) * kRow);
+  float* kv = Grow(s_->kv, static_cast<size_t>(n) * kRow);
   Linear(x, n, w_->kv_a, kv);                        // [c | k_pe], rounded
   RmsNorm(kv, n, kLatentRank, kRow, w_->kv_a_norm);  // c only; k_pe is not normalised
   for (int t = 0; t < n; ++t) rope_->ApplyUnchecked(static_cast<int>(positions[t]), kv + t * kRow + kLatentRank);
@@ -257,10 +272,10 @@ absl::Status CpuLayerMath::OutputInto(int n, absl::Span<const uint16_t> latent_o
                                                    static_cast<size_t>(n) * hidden_, " values, got ", out_size));
   }
   if (n == 0) return absl::OkStatus();
-  float* lat = Grow(latent_, latent_out.size());
+  float* lat = Grow(s_->latent, latent_out.size());
   for (size_t i = 0; i < latent_out.size(); ++i) lat[i] = kernels::HalfToFloat(dtype_, latent_out[i]);
   const int o_width = heads_ * v_dim_;
-  float* o = Grow(o_, static_cast<size_t>(n) * o_width);
+  float* o = Grow(s_->o, static_cast<size_t>(n) * o_width);
   // o_h [n, v] = latent_out_h [n, 512] . W_UV_h^T ([v, 512]); the model's attn_output (softmax
   // times v, then the heads concatenated) is a model-dtype tensor, hence the rounding.
   for (int j = 0; j < heads_; ++j) {
@@ -270,7 +285,7 @@ absl::Status CpuLayerMath::OutputInto(int n, absl::Span<const uint16_t> latent_o
                 o_width);
   }
   Round(o, static_cast<size_t>(n) * o_width);
-  float* out = Grow(out_, static_cast<size_t>(n) * hidden_);
+  float* out = Grow(s_->out, static_cast<size_t>(n) * hidden_);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, w_->o_proj.rows, w_->o_proj.cols, 1.0f, o, w_->o_proj.cols,
               w_->o_proj.values.data(), w_->o_proj.cols, 0.0f, out, w_->o_proj.rows);
   return absl::OkStatus();
@@ -279,13 +294,13 @@ absl::Status CpuLayerMath::OutputInto(int n, absl::Span<const uint16_t> latent_o
 absl::Status CpuLayerMath::Output(int n, absl::Span<const uint16_t> latent_out, absl::Span<uint16_t> out) {
   if (absl::Status s = OutputInto(n, latent_out, out.size(), "out"); !s.ok()) return s;
   // o_proj is a Linear: its output is rounded to the model dtype.
-  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::FloatToHalf(dtype_, out_[i]);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::FloatToHalf(dtype_, s_->out[i]);
   return absl::OkStatus();
 }
 
 absl::Status CpuLayerMath::OutputFloat(int n, absl::Span<const uint16_t> latent_out, absl::Span<float> out) {
   if (absl::Status s = OutputInto(n, latent_out, out.size(), "out"); !s.ok()) return s;
-  std::copy(out_.begin(), out_.begin() + out.size(), out.begin());
+  std::copy(s_->out.begin(), s_->out.begin() + out.size(), out.begin());
   return absl::OkStatus();
 }
 

@@ -55,6 +55,12 @@ class CpuLayerMath {
   // Another CpuLayerMath over the same weights and rotary table (shared, read-only) with
   // scratch of its own: one per thread that calls concurrently.
   std::unique_ptr<CpuLayerMath> Clone() const;
+  // Uses `other`'s scratch from now on: for objects called one at a time (a model's
+  // layers on one thread), which then hold one set of buffers between them. Both must
+  // have the same shape.
+  void ShareScratch(const CpuLayerMath& other);
+  // Grows the scratch for calls of up to n tokens now, so that they allocate nothing.
+  void Reserve(int n);
 
   // The decode kernel's queries for n = positions.size() tokens: x [n, hidden] -> q [n, h, 576],
   // per head [q_nope . W_UK (512) | RoPE(q_pe) (64)].
@@ -110,15 +116,19 @@ class CpuLayerMath {
   std::shared_ptr<const Rope> rope_;
   std::shared_ptr<const Weights> w_;
 
-  // Scratch, grown to the largest batch seen.
-  std::vector<float> x_;        // [n, hidden] hidden states converted to float
-  std::vector<float> q_a_out_;  // [n, q_lora_rank]
-  std::vector<float> q_full_;   // [n, h * (nope + 64)]
-  std::vector<float> q_out_;    // [n, h * 576]
-  std::vector<float> kv_;       // [n, 576]
-  std::vector<float> latent_;   // [n, h * 512]
-  std::vector<float> o_;        // [n, h * v]
-  std::vector<float> out_;      // [n, hidden]
+  // Scratch, grown to the largest batch seen (or reserved); layers called one after
+  // another may share one (ShareScratch).
+  struct Scratch {
+    std::vector<float> x;        // [n, hidden] hidden states converted to float
+    std::vector<float> q_a_out;  // [n, q_lora_rank]
+    std::vector<float> q_full;   // [n, h * (nope + 64)]
+    std::vector<float> q_out;    // [n, h * 576]
+    std::vector<float> kv;       // [n, 576]
+    std::vector<float> latent;   // [n, h * 512]
+    std::vector<float> o;        // [n, h * v]
+    std::vector<float> out;      // [n, hidden]
+  };
+  std::shared_ptr<Scratch> s_ = std::make_shared<Scratch>();
 };
 
 }  // namespace latentd::engine::layer
