@@ -41,6 +41,21 @@ void BuildStep(Input& in, const std::vector<std::string>& ids, latentd::v1::Deco
   step->set_kv(Rows(seed, s_q, kKvRowBytes));
   step->set_causal(in.Range(0, 1));
   *exact = true;
+  // A layer step now and then: hidden states instead of q and kv, maybe a position.
+  if (in.Range(0, 2) == 0) {
+    step->clear_q();
+    step->clear_kv();
+    step->set_hidden(Rows(seed, s_q, kHiddenRowBytes));
+    switch (in.Range(0, 5)) {
+      case 0: step->set_position(in.Range(0, kMaxPositions - s_q)); break;
+      case 1: step->set_position(in.Range(kMaxPositions - s_q + 1, kMaxPositions + 2)); *exact = false; break;
+      case 2: step->mutable_hidden()->resize(in.Range(0, 3 * kHiddenRowBytes)); *exact = false; break;
+      case 3: step->set_q(Rows(seed, s_q, kQRowBytes)); *exact = false; break;  // both APIs at once
+      default: break;
+    }
+    if (step->has_position() && step->position() < 0) *exact = false;
+    return;
+  }
   // Break one field now and then.
   switch (in.Range(0, 11)) {
     case 0: step->set_sequence_id(PickId(in, ids)); *exact = false; break;
@@ -102,6 +117,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const auto& res : resp.results()) {
       ++results;
       if (res.code() != 0) continue;
+      // A layer step's output: [s_q, hidden], no lse.
+      if (res.lse().empty() && !res.out().empty() &&
+          static_cast<int64_t>(res.out().size()) % latentd::fuzz::kHiddenRowBytes == 0)
+        continue;
       const int64_t rows = static_cast<int64_t>(res.out().size()) / latentd::fuzz::kOutRowBytes;
       if (rows < 1 || rows * latentd::fuzz::kOutRowBytes != static_cast<int64_t>(res.out().size()) ||
           static_cast<int64_t>(res.lse().size()) != rows * latentd::fuzz::kHeadsQ * 4) {

@@ -10,6 +10,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "engine/layer/testing/random_layer.h"
+#include "engine/model/config.h"
+#include "engine/model/weights.h"
 #include "server/service.h"
 
 namespace latentd::fuzz {
@@ -45,6 +48,24 @@ Harness::Harness() {
   eo.max_s_q = 4;
   eo.cpu_threads = 1;
   eo.batch_window = absl::Microseconds(20);
+  // The layer API too (random weights of engine/layer's small test layer, hidden
+  // kHidden), so fuzzed hidden states and positions reach the layer stage.
+  {
+    namespace lt = engine::layer::testing;
+    auto config = std::make_shared<engine::model::ModelConfig>(lt::SmallConfig(kernels::DType::kBF16, std::nullopt));
+    config->num_hidden_layers = kLayers;
+    auto weights = std::make_shared<engine::model::AttentionWeights>();
+    weights->dtype = kernels::DType::kBF16;
+    weights->num_heads = kHeadsQ;
+    std::mt19937_64 rng(7);
+    for (int l = 0; l < kLayers; ++l) {
+      weights->layers.push_back(lt::RandomWeights(*config, rng));
+      weights->layers.back().layer = l;
+    }
+    eo.layer_config = std::move(config);
+    eo.layer_weights = std::move(weights);
+    eo.layer_max_positions = kMaxPositions;
+  }
   auto engine = engine::Engine::Create(eo);
   if (!engine.ok()) Fail(absl::StrCat("Engine::Create: ", engine.status().ToString()));
   engine_ = *std::move(engine);

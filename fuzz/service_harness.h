@@ -24,6 +24,10 @@ inline constexpr int kOutValues = 512;
 inline constexpr int64_t kQRowBytes = int64_t{kHeadsQ} * kRowValues * 2;
 inline constexpr int64_t kKvRowBytes = int64_t{kHeadsKv} * kRowValues * 2;
 inline constexpr int64_t kOutRowBytes = int64_t{kHeadsQ} * kOutValues * 2;
+// The layer API: hidden states of this size per token (engine/layer's small test layer).
+inline constexpr int kHidden = 256;
+inline constexpr int64_t kHiddenRowBytes = int64_t{kHidden} * 2;
+inline constexpr int kMaxPositions = 4096;
 // Tokens in the base sequence every input forks its sequences from.
 inline constexpr int kBaseTokens = 100;
 
