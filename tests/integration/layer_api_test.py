@@ -161,6 +161,7 @@ class LayerCase:
         self.assertEqual(info.tensor_parallel, 1)
         self.assertEqual(info.tensor_rank, 0)
         self.assertEqual(info.weight_bytes, weight_bytes(s, s.num_heads))
+        self.assertEqual(info.max_positions, s.max_position_embeddings)
         self.assertEqual(info.dtype, latentd_pb2.BF16 if s.dtype == "bf16" else latentd_pb2.FP16)
         self.assertAlmostEqual(info.softmax_scale, softmax_scale(s), delta=1e-6 * softmax_scale(s))
 
@@ -218,6 +219,40 @@ class LayerCase:
             self.assertEqual(list(self.client.get_sequence(seq).lengths), [len(hist.x[l]) for l in range(L)])
         for seq in everyone:
             self.client.release_sequence(seq)
+
+    def test_sharded_client(self):
+        """Layer steps of sequences spread over two daemons on the same checkpoint,
+        through the ShardedClient: uploads of hidden states, then batches of layer steps
+        split by daemon, each output against the reference."""
+        other = Daemon(LATENTD, f"--model_dir={self.dir}", "--kv_pages=96", log_dir=TMP)
+        sc = latentd_client.ShardedClient([self.daemon.target, other.target])
+        try:
+            L = self.spec.num_layers
+            seqs = []
+            for i in range(6):
+                seq = sc.create_sequence()
+                hist = History(L, self.spec.hidden_size)
+                xs = {layer: self.hidden(20 + 9 * i) for layer in range(L)}
+                sc.append_hidden(seq, xs)
+                for layer, x in xs.items():
+                    hist.append(layer, x)
+                seqs.append((seq, hist))
+            for r in range(2):
+                for layer in range(L):
+                    steps, checks = [], []
+                    for i, (seq, hist) in enumerate(seqs):
+                        s_q = 1 + (r + i) % 2
+                        steps.append(self.step(hist, seq, layer, s_q))
+                        checks.append((hist, s_q))
+                    outs = sc.decode_batch(steps)
+                    for o, (hist, s_q) in zip(outs, checks):
+                        self.assertEqual(o.code, 0, o.message)
+                        self.check_output(o.out, hist, layer, s_q, what=f"sharded round {r}")
+            for seq, _ in seqs:
+                sc.release_sequence(seq)
+        finally:
+            sc.close()
+            other.stop()
 
     def test_position_and_size_errors(self):
         (seq, hist), = self.new_sequences([3])

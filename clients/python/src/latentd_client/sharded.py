@@ -112,8 +112,11 @@ def _code_of(result):
 
 
 def _same_model(a, b):
-    return (a.num_layers, a.num_heads_q, a.num_heads_kv, a.head_dim_qk, a.head_dim_v, a.dtype, a.softmax_scale) == \
-        (b.num_layers, b.num_heads_q, b.num_heads_kv, b.head_dim_qk, b.head_dim_v, b.dtype, b.softmax_scale)
+    # The layer API's shape too: a batch of layer steps may go to any of the daemons.
+    return (a.num_layers, a.num_heads_q, a.num_heads_kv, a.head_dim_qk, a.head_dim_v, a.dtype, a.softmax_scale,
+            a.layer_api, a.hidden_size) == \
+        (b.num_layers, b.num_heads_q, b.num_heads_kv, b.head_dim_qk, b.head_dim_v, b.dtype, b.softmax_scale,
+         b.layer_api, b.hidden_size)
 
 
 def _model(i):
@@ -545,6 +548,11 @@ class ShardedClient(ModelWire):
             return self._on_sequence(sequence_id, lambda c, route, timeout: c.append_kv(
                 sequence_id, rows_by_layer, route=route, timeout=timeout), self._upload_timeout)
 
+    def append_hidden(self, sequence_id, hidden_by_layer):
+        """The layer API's prefill on the sequence's daemon (LatentdClient.append_hidden)."""
+        return self._on_sequence(sequence_id, lambda c, route, timeout: c.append_hidden(
+            sequence_id, hidden_by_layer, route=route, timeout=timeout), self._upload_timeout)
+
     def fork_sequence(self, sequence_id, new_sequence_id=""):
         """The fork is created beside its parent and routed there."""
         fork = new_sequence_id or secrets.token_hex(16)
@@ -586,7 +594,9 @@ class ShardedClient(ModelWire):
         """Runs one batch of steps of any sequences; returns their StepOutputs in order.
 
         Each step is a dict: sequence_id, layer, q [s_q, h_q, 576], kv [s_q, h_kv, 576]
-        (float arrays or raw bytes), causal, request_id and timeout_ms (optional).
+        (float arrays or raw bytes), causal, request_id and timeout_ms (optional); or, for
+        a layer step, hidden [s_q, hidden_size] instead of q and kv, and position
+        (optional), whose output is the layer's [s_q, hidden_size].
         """
         protos, s_q, seqs = [], {}, {}
         for s in steps:
@@ -595,8 +605,13 @@ class ShardedClient(ModelWire):
             if rid in s_q:
                 raise LatentdError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"decode_batch: request_id {rid} appears twice in one batch")
-            step, s_q[rid] = self._step_message(rid, s["sequence_id"], s["layer"], s["q"], s["kv"],
-                                                s.get("causal", False), s.get("timeout_ms", 0))
+            if "hidden" in s:
+                step, s_q[rid] = self._layer_step_message(rid, s["sequence_id"], s["layer"], s["hidden"],
+                                                          s.get("causal", False), s.get("position"),
+                                                          s.get("timeout_ms", 0))
+            else:
+                step, s_q[rid] = self._step_message(rid, s["sequence_id"], s["layer"], s["q"], s["kv"],
+                                                    s.get("causal", False), s.get("timeout_ms", 0))
             seqs[rid] = s["sequence_id"]
             protos.append(step)
         origin = {}  # request id -> the daemon it went to (or was refused for)
