@@ -37,6 +37,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "engine/layer/layer_math.h"
 #include "engine/model/config.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/weights.h"
@@ -790,6 +791,8 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // OpenBLAS's workers predate this mask; started again, they take it.
+  latentd::engine::layer::RestartBlasThreads();
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("latentd"));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ %v");

@@ -100,6 +100,14 @@ void CpuLayerMath::Reserve(int n) {
   Grow(s_->out, t * hidden_);
 }
 
+extern "C" int blas_thread_shutdown_(void);  // OpenBLAS's own, exported by the pthread build
+extern "C" int blas_thread_init(void);
+
+void RestartBlasThreads() {
+  blas_thread_shutdown_();
+  blas_thread_init();
+}
+
 std::unique_ptr<CpuLayerMath> CpuLayerMath::Clone() const {
   std::unique_ptr<CpuLayerMath> c(new CpuLayerMath(rope_));
   c->dtype_ = dtype_;

@@ -34,6 +34,13 @@ namespace latentd::engine::layer {
 // tensor), and after the attention's value product (here W_UV applied to the latent output).
 // The absorbed query q_nope . W_UK is rounded once more because the kernel reads model-dtype q;
 // kv_b_proj's k_nope and v, which the model rounds, never exist in the absorbed form.
+// OpenBLAS starts its worker threads when the library loads, before main() runs, so they
+// keep the signal mask of that moment. A daemon that blocks signals in main() for a sigwait
+// thread calls this afterwards: the pool is stopped and started again from the calling
+// thread, whose mask the new workers inherit (otherwise a SIGTERM may be delivered to a
+// BLAS worker and kill the process instead of starting a drain).
+void RestartBlasThreads();
+
 class CpuLayerMath {
  public:
   // INVALID_ARGUMENT naming the field: kv_lora_rank other than 512 or qk_rope_head_dim other
