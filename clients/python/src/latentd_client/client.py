@@ -214,19 +214,7 @@ class LatentdClient(ModelWire):
 
         Returns the AppendKvResponse (tokens_appended, per-layer lengths).
         """
-        row_bytes = self.h_kv * HEAD_DIM_QK * 2
-        chunk = max(row_bytes, self._chunk // row_bytes * row_bytes)
-
-        def messages():
-            first = True
-            for layer, rows in rows_by_layer.items():
-                data = self._raw(rows)
-                for start in range(0, max(len(data), 1), chunk):
-                    yield latentd_pb2.AppendKvRequest(sequence_id=sequence_id if first else "", layer=layer,
-                                                      kv=bytes(data[start:start + chunk]))
-                    first = False
-
-        return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
+        return self._append(sequence_id, rows_by_layer, "kv", self.h_kv * HEAD_DIM_QK * 2, route, timeout)
 
     def append_hidden(self, sequence_id, hidden_by_layer, route=None, timeout=None):
         """The layer API's prefill: {layer: hidden states [n, hidden_size]} (float or raw
@@ -234,16 +222,19 @@ class LatentdClient(ModelWire):
         positions. Returns the AppendKvResponse."""
         if not self.hidden_size:
             raise ValueError("the daemon does not serve the layer API (ServerInfo.layer_api is false)")
-        row_bytes = self.hidden_size * 2
+        return self._append(sequence_id, hidden_by_layer, "hidden", self.hidden_size * 2, route, timeout)
+
+    def _append(self, sequence_id, by_layer, field, row_bytes, route, timeout):
+        """One AppendKv stream: each layer's bytes in chunks of whole rows, in `field`."""
         chunk = max(row_bytes, self._chunk // row_bytes * row_bytes)
 
         def messages():
             first = True
-            for layer, hidden in hidden_by_layer.items():
-                data = self._raw(hidden)
+            for layer, values in by_layer.items():
+                data = self._raw(values)
                 for start in range(0, max(len(data), 1), chunk):
                     yield latentd_pb2.AppendKvRequest(sequence_id=sequence_id if first else "", layer=layer,
-                                                      hidden=bytes(data[start:start + chunk]))
+                                                      **{field: bytes(data[start:start + chunk])})
                     first = False
 
         return self._call(self.stub.AppendKv, messages(), route or sequence_id, timeout)
