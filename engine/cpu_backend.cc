@@ -20,6 +20,9 @@ class CpuBackend final : public AttentionBackend {
   CpuBackend(const BackendOptions& o, kv::KvCacheConfig config, std::unique_ptr<kv::KvStorage> storage)
       : o_(o), config_(config), storage_(std::move(storage)), decoder_(o.cpu_threads) {
     const int h_q = o.model.num_heads_q;
+    const int h_kv = std::max(1, o.model.num_heads_kv);
+    // Every launch shape the limits allow, sized once: no step allocates in the decoder.
+    decoder_.Reserve(o.max_batch_size, h_kv, (h_q / h_kv) * o.max_s_q, config_.kv_dtype == kernels::KvDType::kFp8E4M3);
     q_.resize(size_t(o.max_batch_tokens) * h_q * kHeadDimQK);
     seqlens_.resize(o.max_batch_size);
     for (auto& s : slots_) {

@@ -185,13 +185,36 @@ Status CpuMlaDecoder::Run(const MlaDecodeParams& p) {
       }
     }
   }
+  Grow(pairs, rows, partials, p.kv_dtype == KvDType::kFp8E4M3);
+  ParallelFor(static_cast<int>(items_.size()), [&](int i, int t) { RunItem(p, items_[i], scratch_[t]); });
+  if (partials > 0) {
+    ParallelFor(pairs, [&](int i, int) {
+      if (combine_first_[i] >= 0) CombineItem(p, i / p.h_kv, i % p.h_kv, combine_first_[i], combine_count_[i]);
+    });
+  }
+  return Status::Ok();
+}
+
+void CpuMlaDecoder::Reserve(int max_batch, int h_kv, int max_rows, bool fp8) {
+  // A call splits only when it has fewer pairs than threads, into at most
+  // threads + pairs partitions (each pair's ceil(len / keys_per_split) summed, with
+  // keys_per_split >= total keys * h_kv / threads).
+  const int pairs = std::max(1, max_batch * std::max(1, h_kv));
+  Grow(pairs, max_rows, 2 * num_threads(), fp8);
+}
+
+// Grows (never shrinks) the plan and scratch buffers for a call of this shape; runs on
+// the caller, so a worker taking its first item of a larger shape allocates nothing.
+void CpuMlaDecoder::Grow(int pairs, int rows, int partials, bool fp8) {
+  const size_t max_items = size_t(pairs) + size_t(std::max(partials, 0));
+  if (items_.capacity() < max_items) items_.reserve(max_items);
+  if (combine_first_.capacity() < size_t(pairs)) combine_first_.reserve(pairs);
+  if (combine_count_.capacity() < size_t(pairs)) combine_count_.reserve(pairs);
   if (partials > 0) {
     const size_t acc_size = size_t(partials) * rows * kHeadDimV;
     if (partial_acc_.size() < acc_size) partial_acc_.resize(acc_size);
     if (partial_ml_.size() < size_t(partials) * rows * 2) partial_ml_.resize(size_t(partials) * rows * 2);
   }
-  // Every thread's scratch sized here, on the caller, for this call's rows: a worker that
-  // takes its first item of a larger shape then allocates nothing while the call runs.
   for (Scratch& s : scratch_) {
     const size_t n = size_t(rows);
     if (s.q.size() < n * kHeadDimQK) s.q.resize(n * kHeadDimQK);
@@ -202,16 +225,8 @@ Status CpuMlaDecoder::Run(const MlaDecodeParams& p) {
     if (s.limit.size() < n) s.limit.resize(n);
     if (s.visible.size() < n) s.visible.resize(n);
     if (s.k.size() < size_t(kPageSize) * kHeadDimQK) s.k.resize(size_t(kPageSize) * kHeadDimQK);
-    if (p.kv_dtype == KvDType::kFp8E4M3 && s.kv16.size() < size_t(kPageSize) * kHeadDimQK)
-      s.kv16.resize(size_t(kPageSize) * kHeadDimQK);
+    if (fp8 && s.kv16.size() < size_t(kPageSize) * kHeadDimQK) s.kv16.resize(size_t(kPageSize) * kHeadDimQK);
   }
-  ParallelFor(static_cast<int>(items_.size()), [&](int i, int t) { RunItem(p, items_[i], scratch_[t]); });
-  if (partials > 0) {
-    ParallelFor(pairs, [&](int i, int) {
-      if (combine_first_[i] >= 0) CombineItem(p, i / p.h_kv, i % p.h_kv, combine_first_[i], combine_count_[i]);
-    });
-  }
-  return Status::Ok();
 }
 
 void CpuMlaDecoder::RunItem(const MlaDecodeParams& p, const WorkItem& item, Scratch& s) {

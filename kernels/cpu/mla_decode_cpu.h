@@ -29,6 +29,11 @@ class CpuMlaDecoder {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
+  // Sizes every buffer for calls of up to max_batch sequences, h_kv KV heads and
+  // max_rows query rows per KV head ((h_q / h_kv) * s_q): a Run within those bounds then
+  // allocates nothing, whatever its split plan (the serving hot path reserves once).
+  void Reserve(int max_batch, int h_kv, int max_rows, bool fp8);
+
   // The inner loops exist for AVX2+FMA and for any x86-64, chosen by the CPU; tests
   // force the portable one to check it on AVX2 hosts too (process-wide).
   static void ForceGenericCodeForTesting(bool force);
@@ -56,6 +61,7 @@ class CpuMlaDecoder {
     std::vector<int> limit, visible;  // [rows] keys each row may see
   };
 
+  void Grow(int pairs, int rows, int partials, bool fp8);
   void ParallelFor(int n, const std::function<void(int, int)>& fn);  // fn(index, thread)
   void WorkerLoop(int thread);
   void RunItem(const MlaDecodeParams& p, const WorkItem& item, Scratch& s);
