@@ -20,6 +20,7 @@
 #include "engine/batch.h"
 #include "engine/completion_pool.h"
 #include "engine/fair_queue.h"
+#include "engine/kv/host_tier.h"
 #include "engine/layer_stage.h"
 #include "engine/model/config.h"
 #include "engine/metrics.h"
@@ -73,11 +74,13 @@ std::string QuoteId(absl::string_view id) {
 
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(const EngineOptions& o, std::unique_ptr<AttentionBackend> backend, std::unique_ptr<LayerStage> layer)
+  EngineImpl(const EngineOptions& o, std::unique_ptr<AttentionBackend> backend, std::unique_ptr<LayerStage> layer,
+             std::unique_ptr<kv::HostTier> tier)
       : o_(o),
         backend_(std::move(backend)),
         layer_(std::move(layer)),
         kv_(backend_->kv_config(), backend_->storage()),
+        tier_(std::move(tier)),
         queue_(o.max_queue),
         fair_(o.max_queue),
         // Room for every step that can be accepted at once (queued, in the two batches,
@@ -90,6 +93,8 @@ class EngineImpl final : public Engine {
     inline_statuses_.resize(o.max_batch_size);
     incoming_.reserve(o.max_queue);
     failed_.reserve(o.max_queue);
+    // Pinned on CUDA, so offloads and restores copy at the link's speed.
+    if (tier_ != nullptr && tier_->arena_bytes() > 0) backend_->RegisterHostMemory(tier_->arena(), tier_->arena_bytes());
     scheduler_ = std::thread([this] {
       pthread_setname_np(pthread_self(), "latentd-sched");  // for top -H and debuggers
       Loop();
@@ -101,6 +106,10 @@ class EngineImpl final : public Engine {
     queue_.Wake();
     scheduler_.join();
     done_pool_.reset();  // runs what the scheduler handed it, then stops its threads
+    if (tier_ != nullptr && tier_->arena_bytes() > 0) {
+      if (kv::KvStorage* storage = backend_->storage()) (void)storage->Synchronize();
+      backend_->UnregisterHostMemory(tier_->arena());
+    }
   }
 
   EngineInfo Info() const override {
@@ -126,6 +135,7 @@ class EngineImpl final : public Engine {
   absl::StatusOr<std::string> CreateSequence(absl::string_view id) override {
     absl::MutexLock lock(&kv_mu_);
     if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
+    if (absl::Status st = CheckNotOffloaded(id, "sequence_id"); !st.ok()) return st;
     auto seq = kv_.CreateSequence(id);
     if (!seq.ok()) return seq.status();
     kv_.Touch(*seq, absl::Now());
@@ -145,6 +155,7 @@ class EngineImpl final : public Engine {
     }
     absl::MutexLock lock(&kv_mu_);
     if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
+    if (absl::Status st = CheckNotOffloaded(id, "sequence_id"); !st.ok()) return st;
     auto seq = kv_.CreateSequence(id, keys);
     if (!seq.ok()) return seq.status();
     kv_.Touch(*seq, absl::Now());
@@ -167,6 +178,7 @@ class EngineImpl final : public Engine {
                                                      " bytes ([n, hidden_size=", layer_->hidden_size(), "] ",
                                                      kernels::DTypeName(o_.model.dtype), "), got ", hidden.size()));
     const int64_t n = static_cast<int64_t>(hidden.size() / row);
+    if (absl::Status st = EnsureResident(id); !st.ok()) return st;
     int64_t length = 0;
     {
       absl::MutexLock lock(&kv_mu_);
@@ -218,6 +230,17 @@ class EngineImpl final : public Engine {
     // the manager does not have, and a copy racing a release could write into pages
     // handed to another sequence; copying under the lock in bounded pieces has neither
     // problem.
+    if (absl::Status st = EnsureResident(id); !st.ok()) return st;
+    if (tier_ != nullptr) {
+      // Pages for the whole upload, moving idle sequences to the host tier if need be.
+      int64_t need = 0;
+      {
+        absl::MutexLock lock(&kv_mu_);
+        if (const kv::Sequence* seq = kv_.Find(id))
+          need = kv::PagesForTokens(kv_.Length(seq, layer) + n) - kv_.PagesOf(seq);
+      }
+      if (need > 0) MakeRoom(need, absl::Now());
+    }
     uint64_t serial = 0;
     int64_t start_length = 0;
     for (int done = 0; done < n;) {
@@ -267,9 +290,11 @@ class EngineImpl final : public Engine {
 
   absl::StatusOr<std::string> ForkSequence(absl::string_view id, absl::string_view new_id) override {
     if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
+    if (absl::Status st = EnsureResident(id); !st.ok()) return st;
     absl::MutexLock lock(&kv_mu_);
     if (kv_.Find(id) == nullptr) return NotFound(id);
     if (absl::Status st = CheckSequenceLimit(); !st.ok()) return st;
+    if (absl::Status st = CheckNotOffloaded(new_id, "new_sequence_id"); !st.ok()) return st;
     auto seq = kv_.Fork(id, new_id);
     if (!seq.ok()) return seq.status();
     kv_.Touch(*seq, absl::Now());
@@ -279,8 +304,16 @@ class EngineImpl final : public Engine {
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view id) override {
     if (id.empty()) return absl::InvalidArgumentError("sequence_id: expected a non-empty id");
     absl::MutexLock lock(&kv_mu_);
-    if (kv_.Find(id) == nullptr) return NotFound(id);
-    return kv_.Release(id);
+    for (;;) {
+      if (kv_.Find(id) != nullptr) return kv_.Release(id);
+      const kv::HostTier::Entry* e = tier_ != nullptr ? tier_->Find(id) : nullptr;
+      if (e == nullptr) return NotFound(id);
+      if (!e->busy) {
+        tier_->Remove(id, /*restored=*/false);
+        return int64_t{0};  // it held no pages
+      }
+      restore_cv_.Wait(&kv_mu_);  // being brought back: release it where it lands
+    }
   }
 
   int ReleaseIdleSequences(absl::Duration ttl) override {
@@ -294,7 +327,36 @@ class EngineImpl final : public Engine {
         n = kv_.ReleaseIdle(cutoff, kIdleReleaseBatch);
       }
       released += n;
-      if (n < kIdleReleaseBatch) return released;
+      if (n < kIdleReleaseBatch) break;
+    }
+    if (tier_ != nullptr) {
+      absl::MutexLock lock(&kv_mu_);
+      for (const std::string& id : tier_->IdleIds(cutoff)) {
+        tier_->Remove(id, /*restored=*/false);
+        ++released;
+      }
+    }
+    return released;
+  }
+
+  int OffloadIdleSequences(absl::Duration idle) override {
+    if (tier_ == nullptr) return 0;
+    const absl::Time cutoff = absl::Now() - idle;
+    int moved = 0;
+    for (;;) {
+      std::vector<std::string> ids;
+      {
+        absl::MutexLock lock(&kv_mu_);
+        ids = kv_.IdleSequences(SafeCutoff(cutoff), 16);
+      }
+      if (ids.empty()) return moved;
+      int round = 0;
+      for (const std::string& id : ids) {
+        const OffloadResult r = OffloadOne(id, cutoff);
+        if (r == OffloadResult::kTierFull) return moved;
+        if (r == OffloadResult::kMoved) ++moved, ++round;
+      }
+      if (round == 0) return moved;  // the rest were used meanwhile
     }
   }
 
@@ -303,7 +365,15 @@ class EngineImpl final : public Engine {
     SequenceInfo info;
     absl::MutexLock lock(&kv_mu_);
     const kv::Sequence* seq = kv_.Find(id);
-    if (seq == nullptr) return NotFound(id);
+    if (seq == nullptr) {
+      const kv::HostTier::Entry* e = tier_ != nullptr ? tier_->Find(id) : nullptr;
+      if (e == nullptr) return NotFound(id);
+      info.sequence_id = e->id;
+      info.lengths = e->lengths;
+      info.last_used = e->last_used;
+      info.offloaded = true;
+      return info;
+    }
     info.sequence_id = kv_.Id(seq);
     info.lengths = kv_.Lengths(seq);
     info.pages = kv_.PagesOf(seq);
@@ -322,6 +392,7 @@ class EngineImpl final : public Engine {
     h.dtype = o_.model.dtype;
     h.kv_dtype = kernels::KvDTypeName(c.kv_dtype, o_.model.dtype);
     h.row_bytes = c.row_bytes();
+    if (absl::Status st = EnsureResident(id); !st.ok()) return st;
     uint64_t serial = 0;
     {
       absl::MutexLock lock(&kv_mu_);
@@ -344,10 +415,12 @@ class EngineImpl final : public Engine {
       import_failures_.fetch_add(1, std::memory_order_relaxed);
       return st;
     }
+    if (tier_ != nullptr && !h.lengths.empty())
+      MakeRoom(kv::PagesForTokens(*std::max_element(h.lengths.begin(), h.lengths.end())), absl::Now());
     kv::Sequence* pending = nullptr;
     {
       absl::MutexLock lock(&kv_mu_);
-      if (kv_.Find(new_id) != nullptr) {
+      if (kv_.Find(new_id) != nullptr || (tier_ != nullptr && tier_->Find(new_id) != nullptr)) {
         st = absl::AlreadyExistsError(absl::StrCat("sequence_id: sequence ", QuoteId(new_id), " already exists"));
       }
       if (st.ok()) st = CheckSequenceLimit();
@@ -450,6 +523,17 @@ class EngineImpl final : public Engine {
       m.prefix_miss_pages = stats.prefix_misses;
       m.prefix_evictions = stats.evictions;
       m.prefix_bytes_saved = prefix_bytes_saved_;
+      if (tier_ != nullptr) {
+        const auto t = tier_->GetStats();
+        m.host_tier_capacity_bytes = t.capacity_bytes;
+        m.host_tier_used_bytes = t.used_bytes;
+        m.host_tier_sequences = t.sequences;
+        m.host_offloads = t.offloads;
+        m.host_restores = t.restores;
+        m.host_offload_refused = t.refused;
+        m.host_restore_failures = restore_failures_;
+        m.host_restore_seconds = restore_seconds_;
+      }
     }
     m.rejected_out_of_pages += rejected_out_of_pages_.load();
     m.rejected_max_sequences = rejected_max_sequences_.load();
@@ -703,11 +787,263 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
 
+  // ---- The host tier (EngineOptions::host_kv_bytes) ----
+
+  // ALREADY_EXISTS for an id the host tier holds (a new sequence may not take it).
+  absl::Status CheckNotOffloaded(absl::string_view id, absl::string_view field) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
+    if (tier_ == nullptr || id.empty() || tier_->Find(id) == nullptr) return absl::OkStatus();
+    return absl::AlreadyExistsError(
+        absl::StrCat(field, ": sequence ", QuoteId(id), " already exists (offloaded to the host tier)"));
+  }
+
+  // Sequences used at or after this time are never offloaded: those of the batches
+  // being formed or computed (their steps have been taken), and those used since the
+  // caller's own cutoff.
+  absl::Time SafeCutoff(absl::Time cutoff) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
+    return std::min({cutoff, batch_taken_[0], batch_taken_[1]});
+  }
+
+  enum class OffloadResult { kMoved, kSkipped, kTierFull };
+
+  // Moves one sequence last used before `cutoff` to the host tier: reserves its blocks,
+  // copies its rows in pieces of about kAppendChunkBytes per hold of the KV lock, then,
+  // if nothing touched it meanwhile, releases its pages and commits the entry in one
+  // hold. Otherwise the copy is dropped and the sequence stays (kSkipped).
+  OffloadResult OffloadOne(const std::string& id, absl::Time cutoff) {
+    std::unique_ptr<kv::HostTier::Entry> e;
+    uint64_t serial = 0;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      const kv::Sequence* seq = kv_.Find(id);
+      if (seq == nullptr || kv_.LastUsed(seq) >= SafeCutoff(cutoff)) return OffloadResult::kSkipped;
+      e = tier_->Reserve(kv_.Lengths(seq));
+      if (e == nullptr) return OffloadResult::kTierFull;
+      e->id = kv_.Id(seq);
+      e->keys = kv_.PublishedKeys(seq);
+      e->last_used = kv_.LastUsed(seq);
+      serial = kv_.Serial(seq);
+    }
+    // Still the same sequence, unused and no shorter than the copy (the lock is held).
+    auto unchanged = [&](const kv::Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
+      return seq != nullptr && kv_.Serial(seq) == serial && kv_.LastUsed(seq) == e->last_used &&
+             kv_.Lengths(seq) == e->lengths;
+    };
+    const int64_t row_bytes = backend_->kv_config().row_bytes();
+    const int64_t piece_pages = std::max<int64_t>(1, static_cast<int64_t>(kAppendChunkBytes) / tier_->block_bytes());
+    absl::Status st;
+    for (size_t l = 0; l < e->lengths.size() && st.ok(); ++l) {
+      const int64_t pages = kv::PagesForTokens(e->lengths[l]);
+      for (int64_t p0 = 0; p0 < pages && st.ok(); p0 += piece_pages) {
+        absl::MutexLock lock(&kv_mu_);
+        const kv::Sequence* seq = kv_.Find(id);
+        if (!unchanged(seq)) {
+          st = absl::AbortedError("used meanwhile");
+          break;
+        }
+        for (int64_t p = p0; p < std::min(pages, p0 + piece_pages) && st.ok(); ++p) {
+          const int64_t first = p * kernels::kPageSize;
+          const int64_t n = std::min<int64_t>(kernels::kPageSize, e->lengths[l] - first);
+          st = kv_.ReadStoredRows(seq, static_cast<int>(l), first, n, tier_->Block(e->blocks[l][p]));
+        }
+      }
+    }
+    absl::MutexLock lock(&kv_mu_);
+    if (st.ok() && unchanged(kv_.Find(id))) {
+      const int64_t bytes = tier_->BlocksFor(e->lengths) * kernels::kPageSize * row_bytes;
+      (void)kv_.Release(id);
+      tier_->Commit(std::move(e));
+      offload_bytes_ += static_cast<uint64_t>(bytes);
+      return OffloadResult::kMoved;
+    }
+    tier_->Cancel(std::move(e));
+    return OffloadResult::kSkipped;
+  }
+
+  // Offloads least recently used sequences idle before `cutoff` until `need` pages are
+  // free or on their way (retiring: freed while a batch in flight may still read
+  // them; counted, so a batch in flight does not make every idle sequence move out).
+  // true when they are.
+  bool MakeRoom(int64_t need, absl::Time cutoff) {
+    if (tier_ == nullptr) return false;
+    // Each round moves a sequence or drops candidates that were used or released
+    // meanwhile; the bound covers candidates whose rows cannot be read.
+    for (int round = 0; round < 1024; ++round) {
+      std::vector<std::string> ids;
+      {
+        absl::MutexLock lock(&kv_mu_);
+        if (need <= kv_.free_pages() + kv_.retiring_pages()) return true;
+        ids = kv_.IdleSequences(SafeCutoff(cutoff), 4);
+      }
+      if (ids.empty()) return false;
+      for (const std::string& id : ids) {
+        const OffloadResult r = OffloadOne(id, cutoff);
+        if (r == OffloadResult::kTierFull) return false;
+        if (r == OffloadResult::kMoved) break;  // count again before moving more
+      }
+    }
+    return false;
+  }
+
+  // Brings an offloaded sequence back into the pool before something uses it: pages
+  // for its longest layer (made room for by offloading others if need be), its rows
+  // copied in pieces, its page keys published again. OK when it is resident; NOT_FOUND
+  // when it is neither resident nor offloaded; RESOURCE_EXHAUSTED when the pool cannot
+  // take it (it stays offloaded). Concurrent callers for one sequence wait for the one
+  // that restores it.
+  absl::Status EnsureResident(absl::string_view id) {
+    if (tier_ == nullptr) return absl::OkStatus();
+    const absl::Time start = absl::Now();
+    kv::HostTier::Entry* e = nullptr;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      for (;;) {
+        if (kv_.Find(id) != nullptr) return absl::OkStatus();
+        e = tier_->Find(id);
+        if (e == nullptr) return absl::OkStatus();  // unknown: the caller's lookup says NOT_FOUND
+        if (!e->busy) break;
+        restore_cv_.Wait(&kv_mu_);
+      }
+      e->busy = true;  // the entry (and its blocks) stays put until this restore ends
+    }
+    const int64_t need = kv::PagesForTokens(*std::max_element(e->lengths.begin(), e->lengths.end()));
+    kv::Sequence* pending = nullptr;
+    absl::Status st;
+    // Pages freed while a batch may still read them (retiring) come free when it
+    // finishes: waited for a few milliseconds at most, off the scheduler thread.
+    for (int attempt = 0; pending == nullptr && st.ok(); ++attempt) {
+      bool wait = false;
+      {
+        absl::MutexLock lock(&kv_mu_);
+        if (kv_.free_pages() >= need) {
+          auto begun = kv_.BeginImport(e->lengths);
+          if (begun.ok()) {
+            pending = *begun;
+            break;
+          }
+          if (!absl::IsResourceExhausted(begun.status())) {
+            st = begun.status();
+            break;
+          }
+        }
+        wait = attempt > 0 && attempt < 200 && kv_.free_pages() + kv_.retiring_pages() >= need;
+      }
+      if (wait) {
+        absl::SleepFor(absl::Milliseconds(1));
+        continue;
+      }
+      if (attempt >= 200 || !MakeRoom(need, start)) {
+        absl::MutexLock lock(&kv_mu_);
+        st = absl::ResourceExhaustedError(absl::StrCat(
+            "kv cache: out of pages to bring sequence ", QuoteId(id), " back from the host tier: need ", need,
+            ", free ", kv_.free_pages(), ", and no idle sequence could move out"));
+      }
+    }
+    const int64_t piece_pages = std::max<int64_t>(1, static_cast<int64_t>(kAppendChunkBytes) / tier_->block_bytes());
+    for (size_t l = 0; pending != nullptr && st.ok() && l < e->lengths.size(); ++l) {
+      const int64_t pages = kv::PagesForTokens(e->lengths[l]);
+      for (int64_t p0 = 0; p0 < pages && st.ok(); p0 += piece_pages) {
+        absl::MutexLock lock(&kv_mu_);
+        for (int64_t p = p0; p < std::min(pages, p0 + piece_pages) && st.ok(); ++p) {
+          const int64_t first = p * kernels::kPageSize;
+          const int64_t n = std::min<int64_t>(kernels::kPageSize, e->lengths[l] - first);
+          st = kv_.WriteImportRows(pending, static_cast<int>(l), first, n, tier_->Block(e->blocks[l][p]));
+        }
+      }
+    }
+    absl::MutexLock lock(&kv_mu_);
+    // The copies read the (pinned) blocks asynchronously: done before the blocks go back.
+    if (st.ok() && kv_.storage() != nullptr) st = kv_.storage()->Synchronize();
+    if (st.ok()) {
+      const std::string sid = e->id;
+      auto seq = kv_.CommitImport(pending, sid, e->keys);
+      if (seq.ok()) {
+        pending = nullptr;
+        kv_.Touch(*seq, absl::Now());
+        tier_->Remove(sid, /*restored=*/true);
+        e = nullptr;
+        restore_seconds_ += absl::ToDoubleSeconds(absl::Now() - start);
+      } else {
+        st = seq.status();
+      }
+    }
+    if (!st.ok()) {
+      if (pending != nullptr) kv_.AbortImport(pending);
+      e->busy = false;
+      ++restore_failures_;
+    }
+    restore_cv_.SignalAll();
+    return st;
+  }
+
+  // Before a batch stages: its offloaded sequences come back, and pages its steps will
+  // take are made free by moving idle sequences out. The batch's own sequences are
+  // marked used first, so none of them is picked.
+  // A batch in flight is finished first when there is work to do (its reads hold pages
+  // that moving sequences out frees).
+  void PrepareResidency(Batch& batch, Batch*& inflight) {
+    const absl::Time start = absl::Now();
+    std::vector<std::string>& missing = missing_;  // scheduler thread only: reused
+    missing.clear();
+    bool work = false;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      batch_taken_[batch.slot] = start;
+      for (auto& e : batch.entries) {
+        if (!e.status.ok()) continue;
+        kv::Sequence* seq = kv_.Find(e.step->sequence_id);
+        if (seq != nullptr) {
+          kv_.Touch(seq, start);
+        } else if (tier_->Find(e.step->sequence_id) != nullptr &&
+                   std::find(missing.begin(), missing.end(), e.step->sequence_id) == missing.end()) {
+          missing.push_back(e.step->sequence_id);
+        }
+      }
+    }
+    {
+      absl::MutexLock lock(&kv_mu_);
+      work = !missing.empty() || kv_.free_pages() < BatchNewPages(batch);
+    }
+    if (!work) return;
+    if (inflight != nullptr) {
+      Finish(*inflight);
+      inflight = nullptr;
+    }
+    for (const std::string& id : missing) {
+      const absl::Status st = EnsureResident(id);
+      if (st.ok()) continue;
+      for (auto& e : batch.entries)
+        if (e.step->sequence_id == id) e.status = st;
+    }
+    int64_t need = 0;
+    {
+      absl::MutexLock lock(&kv_mu_);
+      need = BatchNewPages(batch);
+      if (need <= kv_.free_pages()) return;
+    }
+    MakeRoom(need, start);
+  }
+
+  // Pages the batch's steps take: one for a step past its table's last page (an upper
+  // bound per step would be 2; copy-on-write of a shared tail is not counted).
+  int64_t BatchNewPages(const Batch& batch) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
+    int64_t need = 0;
+    for (const auto& e : batch.entries) {
+      if (!e.status.ok()) continue;
+      const kv::Sequence* seq = kv_.Find(e.step->sequence_id);
+      if (seq == nullptr) continue;
+      need += std::max<int64_t>(0, kv::PagesForTokens(kv_.Length(seq, e.step->layer) + e.step->s_q) -
+                                       static_cast<int64_t>(kv_.BlockTable(seq).size()));
+    }
+    return need;
+  }
+
   // Bytes of one appended row as clients send it (16-bit values, whatever the pool stores).
   size_t RowBytes() const { return size_t(o_.model.num_heads_kv) * kHeadDimQK * 2; }
 
   absl::Status CheckSequenceLimit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
-    if (o_.max_sequences <= 0 || kv_.num_sequences() < o_.max_sequences) return absl::OkStatus();
+    const int64_t offloaded = tier_ != nullptr ? tier_->GetStats().sequences : 0;
+    if (o_.max_sequences <= 0 || kv_.num_sequences() + offloaded < o_.max_sequences) return absl::OkStatus();
     rejected_max_sequences_.fetch_add(1);
     return absl::ResourceExhaustedError(absl::StrCat("max_sequences: ", o_.max_sequences,
                                                      " live sequences; release some or raise --max_sequences"));
@@ -979,6 +1315,7 @@ class EngineImpl final : public Engine {
     {
       absl::MutexLock lock(&kv_mu_);
       kv_.CloseRead(batch.kv_read);
+      batch_taken_[batch.slot] = absl::InfiniteFuture();
     }
     const absl::Time now = absl::Now();
     int ok = 0;
@@ -1034,6 +1371,7 @@ class EngineImpl final : public Engine {
         inflight = nullptr;
       }
       if (launched) {
+        if (tier_ != nullptr) PrepareResidency(batch, inflight);
         if (layer_ != nullptr) PrepareLayerSteps(batch);
         Stage(batch);
         batch.launched_at = absl::Now();
@@ -1063,6 +1401,14 @@ class EngineImpl final : public Engine {
   mutable absl::Mutex kv_mu_;
   kv::KvCacheManager kv_ ABSL_GUARDED_BY(kv_mu_);
   uint64_t prefix_bytes_saved_ ABSL_GUARDED_BY(kv_mu_) = 0;
+  // The host tier (null: none), its waiters and figures; batch_taken_[slot]: when the
+  // batch in that slot took its steps (InfiniteFuture once finished), for SafeCutoff.
+  std::unique_ptr<kv::HostTier> tier_ ABSL_GUARDED_BY(kv_mu_);
+  absl::CondVar restore_cv_;
+  absl::Time batch_taken_[2] ABSL_GUARDED_BY(kv_mu_) = {absl::InfiniteFuture(), absl::InfiniteFuture()};
+  uint64_t offload_bytes_ ABSL_GUARDED_BY(kv_mu_) = 0;
+  uint64_t restore_failures_ ABSL_GUARDED_BY(kv_mu_) = 0;
+  double restore_seconds_ ABSL_GUARDED_BY(kv_mu_) = 0;
 
   StepQueue queue_;
   EngineMetricsRecorder metrics_;
@@ -1076,6 +1422,7 @@ class EngineImpl final : public Engine {
 
   // Scheduler thread only.
   FairQueue fair_;                      // steps drained from queue_, not yet launched
+  std::vector<std::string> missing_;    // PrepareResidency's offloaded ids
   std::vector<DecodeStep*> incoming_;   // one drain's worth (reserved max_queue)
   absl::Time window_start_;             // arrival of the oldest waiting step, roughly
   std::vector<Failed> failed_;
@@ -1139,9 +1486,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (layer != nullptr) {
     if (absl::Status st = layer->Attach(backend->get()); !st.ok()) return st;
   }
+  std::unique_ptr<kv::HostTier> tier;
+  if (o.host_kv_bytes < 0) return absl::InvalidArgumentError("host_kv_bytes: expected >= 0");
+  if (o.host_kv_bytes > 0) {
+    auto t = kv::HostTier::Create(o.host_kv_bytes, (*backend)->kv_config().row_bytes());
+    if (!t.ok()) return t.status();
+    tier = *std::move(t);
+  }
   // The stage holds the weights in its own form now; the options' copy is not kept.
   o.layer_weights.reset();
-  return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend), std::move(layer)));
+  return std::unique_ptr<Engine>(new EngineImpl(o, std::move(*backend), std::move(layer), std::move(tier)));
 }
 
 }  // namespace latentd::engine

@@ -102,6 +102,11 @@ class Engine {
   // how many. Works oldest first in small batches, dropping the KV lock in between, so
   // a large sweep does not stall decoding.
   virtual int ReleaseIdleSequences(absl::Duration ttl) = 0;
+  // Moves sequences unused for longer than idle to the host tier (EngineOptions::
+  // host_kv_bytes), least recently used first, until none is left or the tier is full;
+  // returns how many moved. Each sequence's rows are read with the KV lock held for a
+  // bounded piece at a time; one used meanwhile stays where it is. 0 without a tier.
+  virtual int OffloadIdleSequences(absl::Duration idle) = 0;
 
   // Export and import (docs/export-import.md). NOT_FOUND for an unknown sequence.
   virtual absl::StatusOr<std::unique_ptr<SequenceExporter>> ExportSequence(absl::string_view sequence_id) = 0;

@@ -69,6 +69,11 @@ struct EngineOptions {
   // Live sequences (forks included) before CreateSequence and ForkSequence fail
   // RESOURCE_EXHAUSTED; 0 = unlimited. Bounds the bookkeeping a client can pile up.
   int64_t max_sequences = 0;
+  // The host memory tier (docs/operations.md "Host tier"): bytes of host memory (pinned
+  // on CUDA) that idle sequences' rows move to under pool pressure, or after
+  // offload_idle unused; a step, append, fork or export of an offloaded sequence brings
+  // it back first. 0 = no tier (a full pool refuses with RESOURCE_EXHAUSTED).
+  int64_t host_kv_bytes = 0;
   // Tests only: called between two chunks of a large AppendKv, with the KV lock
   // released (to show that other work proceeds meanwhile). Empty in production.
   std::function<void()> on_append_chunk_for_testing;
@@ -130,6 +135,7 @@ struct SequenceInfo {
   int64_t pages = 0;             // pages its block table holds (shared ones included)
   int64_t shared_pages = 0;      // of those, pages another sequence (a fork) also holds
   absl::Time last_used;          // last create, append or decode step (for the idle TTL)
+  bool offloaded = false;        // in the host tier (pages 0 until brought back)
 };
 
 // Moving a sequence between engines (docs/export-import.md): what its rows are. An
@@ -262,6 +268,12 @@ struct EngineMetrics {
   // abandoned (each left nothing behind).
   uint64_t sequences_exported = 0, export_bytes = 0;
   uint64_t sequences_imported = 0, import_bytes = 0, import_failures = 0;
+  // The host tier: its size and use, sequences moved out and back (and the time the
+  // restores took, summed), offloads refused because the tier was full, restores that
+  // failed (the sequence stayed offloaded; the step or call that needed it failed).
+  int64_t host_tier_capacity_bytes = 0, host_tier_used_bytes = 0, host_tier_sequences = 0;
+  uint64_t host_offloads = 0, host_restores = 0, host_offload_refused = 0, host_restore_failures = 0;
+  double host_restore_seconds = 0;
 };
 
 }  // namespace latentd::engine

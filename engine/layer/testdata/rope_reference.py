@@ -21,7 +21,9 @@ def correction_dim(rotations, dim, theta, original_max):
 
 def inverse_frequencies(dim, theta, yarn):
     exponents = np.arange(0, dim, 2, dtype=F32) / F32(dim)
-    powers = F32(theta) ** exponents  # float32 pow, as torch does for a float32 tensor
+    # torch's float32 pow, correctly rounded: evaluated in float64 and rounded, since
+    # numpy's float32 pow is less exact on some CPUs (its AVX-512 path).
+    powers = (np.float64(theta) ** exponents.astype(np.float64)).astype(F32)
     extrapolated = F32(1.0) / powers
     if yarn is None:
         return extrapolated, 1.0
@@ -43,8 +45,12 @@ def inverse_frequencies(dim, theta, yarn):
 
 def rotate(x, position, inv_freq, attention_factor, interleave):
     angles = F32(position) * inv_freq  # torch.outer over float32 positions
-    half_cos = np.cos(angles).astype(F32) * F32(attention_factor)
-    half_sin = np.sin(angles).astype(F32) * F32(attention_factor)
+    # cos/sin of the float32 angle evaluated in float64 and rounded: numpy's own float32
+    # sin/cos take SIMD paths whose error at large angles depends on the CPU (AVX-512 or
+    # not), which would make this table differ between machines.
+    wide = angles.astype(np.float64)
+    half_cos = np.cos(wide).astype(F32) * F32(attention_factor)
+    half_sin = np.sin(wide).astype(F32) * F32(attention_factor)
     cos = np.concatenate([half_cos, half_cos])
     sin = np.concatenate([half_sin, half_sin])
     d = x.shape[0]
