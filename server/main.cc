@@ -105,6 +105,13 @@ ABSL_FLAG(int, engine_spin_us, 0,
 ABSL_FLAG(int64_t, max_sequences, 65536,
           "live sequences (forks included); CreateSequence and ForkSequence beyond fail RESOURCE_EXHAUSTED "
           "(0: no limit)");
+ABSL_FLAG(int64_t, host_kv_bytes, 0,
+          "host memory tier for idle sequences' KV rows, in bytes (pinned on CUDA): under pool pressure, or "
+          "after --offload_idle_s unused, least recently used sequences move there, and a step for one "
+          "brings it back first (0: no tier; a full pool refuses with RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int64_t, offload_idle_s, 0,
+          "with --host_kv_bytes, move sequences unused for this many seconds to the host tier (0: only under "
+          "pool pressure)");
 ABSL_FLAG(int, max_queue, 4096, "queued steps before new ones fail RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, completion_threads, 4,
           "threads that answer finished steps (start their gRPC writes), so the scheduler stages the next "
@@ -415,6 +422,11 @@ std::string BuildEngineOptions(engine::EngineOptions* o) {
   o->completion_threads = absl::GetFlag(FLAGS_completion_threads);
   o->max_sequences = absl::GetFlag(FLAGS_max_sequences);
   if (o->max_sequences < 0) return "--max_sequences: expected >= 0 (0: no limit)";
+  o->host_kv_bytes = absl::GetFlag(FLAGS_host_kv_bytes);
+  if (o->host_kv_bytes < 0) return "--host_kv_bytes: expected >= 0 (0: no host tier)";
+  if (absl::GetFlag(FLAGS_offload_idle_s) < 0) return "--offload_idle_s: expected >= 0 (0: under pressure only)";
+  if (absl::GetFlag(FLAGS_offload_idle_s) > 0 && o->host_kv_bytes == 0)
+    return "--offload_idle_s: needs --host_kv_bytes (a host tier to move sequences to)";
   o->batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
   o->idle_spin = absl::Microseconds(absl::GetFlag(FLAGS_engine_spin_us));
   if (absl::GetFlag(FLAGS_engine_spin_us) < 0 || absl::GetFlag(FLAGS_engine_spin_us) > 1000000)
@@ -635,6 +647,7 @@ int Run() {
   const int64_t stats_s = absl::GetFlag(FLAGS_stats_interval_s);
   const int64_t stall_s = absl::GetFlag(FLAGS_stream_stall_timeout_s);
   const int64_t import_stall_s = absl::GetFlag(FLAGS_import_stall_timeout_s);
+  const int64_t offload_idle_s = absl::GetFlag(FLAGS_offload_idle_s);
   std::thread housekeeping([&] {
     pthread_setname_np(pthread_self(), "latentd-house");
     const absl::Duration ttl = absl::Seconds(ttl_s);
@@ -642,6 +655,9 @@ int Run() {
     // Fine enough for short test timeouts, rare enough not to contend with the scheduler.
     absl::Duration period = absl::Seconds(1);
     if (ttl_s > 0) period = std::min(period, std::clamp(ttl / 8, absl::Milliseconds(100), absl::Seconds(1)));
+    const absl::Duration offload_idle = absl::Seconds(offload_idle_s);
+    if (offload_idle_s > 0)
+      period = std::min(period, std::clamp(offload_idle / 8, absl::Milliseconds(100), absl::Seconds(1)));
     if (stall_s > 0) period = std::min(period, std::clamp(stall / 8, absl::Milliseconds(100), absl::Seconds(1)));
     const absl::Duration import_stall = absl::Seconds(import_stall_s);
     if (import_stall_s > 0)
@@ -652,6 +668,10 @@ int Run() {
       if (ttl_s > 0) {
         const int released = engine->ReleaseIdleSequences(ttl);
         if (released > 0) spdlog::info("released {} sequences idle for over {}s", released, ttl_s);
+      }
+      if (offload_idle_s > 0) {
+        const int moved = engine->OffloadIdleSequences(offload_idle);
+        if (moved > 0) spdlog::info("moved {} sequences idle for over {}s to the host tier", moved, offload_idle_s);
       }
       // Spare buffers of idle streams go back (a burst does not keep its memory).
       service.TrimIdleStreams();

@@ -164,6 +164,24 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsSnapshot& s, int64_t 
   out.push_back(Counter("latentd_import_failures_total",
                         "Imports refused, failed or abandoned part-way (each left nothing behind).",
                         static_cast<double>(e.import_failures)));
+  out.push_back(Gauge("latentd_host_tier_capacity_bytes", "Size of the host KV tier (--host_kv_bytes, whole pages).",
+                      static_cast<double>(e.host_tier_capacity_bytes)));
+  out.push_back(Gauge("latentd_host_tier_used_bytes", "Host tier bytes holding offloaded sequences' rows.",
+                      static_cast<double>(e.host_tier_used_bytes)));
+  out.push_back(Gauge("latentd_host_tier_sequences", "Sequences in the host tier.",
+                      static_cast<double>(e.host_tier_sequences)));
+  out.push_back(Counter("latentd_host_offloads_total", "Sequences moved from the pool to the host tier.",
+                        static_cast<double>(e.host_offloads)));
+  out.push_back(Counter("latentd_host_restores_total", "Sequences brought back from the host tier into the pool.",
+                        static_cast<double>(e.host_restores)));
+  out.push_back(Counter("latentd_host_offload_refused_total",
+                        "Offloads refused because the host tier was full (the sequence stayed in the pool).",
+                        static_cast<double>(e.host_offload_refused)));
+  out.push_back(Counter("latentd_host_restore_failures_total",
+                        "Restores that failed (the pool could not take the sequence; it stayed offloaded).",
+                        static_cast<double>(e.host_restore_failures)));
+  out.push_back(Counter("latentd_host_restore_seconds_total", "Time restores took, summed.",
+                        e.host_restore_seconds));
   out.push_back(Gauge("latentd_open_transfer_streams", "ExportSequence and ImportSequence streams not yet finished.",
                       static_cast<double>(c.open_exports + c.open_imports)));
 

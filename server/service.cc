@@ -332,6 +332,7 @@ ServerUnaryReactor* DecodeServiceImpl::GetSequence(CallbackServerContext* ctx,
       for (int64_t len : info->lengths) response->add_lengths(len);
       response->set_pages(info->pages);
       response->set_shared_pages(info->shared_pages);
+      response->set_offloaded(info->offloaded);
     } else {
       st = ToGrpc(info.status());
     }

@@ -243,5 +243,49 @@ TEST(ExportImportTest, DrainingDaemonExportsAndRefusesImports) {
   EXPECT_TRUE(absl::StrContains(a.daemon.Log(), "handoff: 0 sequences left")) << a.daemon.Log();
 }
 
+// The host tier over gRPC: a pool of 8 pages holds 6 sequences of 3 pages each (18
+// pages) by moving the least recently used ones out; every result stays correct, and
+// --offload_idle_s moves idle ones out on its own (GetSequence says so).
+TEST(HostTierTest, APoolServesMoreSequencesThanItHoldsAndIdleOnesMoveOut) {
+  Node a({"--num_layers=2", "--kv_pages=8", absl::StrCat("--host_kv_bytes=", 64 * 64 * 1152),
+          "--offload_idle_s=1"});
+  ASSERT_NE(a.client, nullptr);
+  Tracker tracker(a.client.get(), 5);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 6; ++i) {
+    auto seq = tracker.NewSequence({150, 150}, absl::StrCat("tier", i));
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    ids.push_back(*seq);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (const std::string& id : ids) {
+      auto r = a.client->DecodeAll({tracker.Step(id, 0), tracker.Step(id, 1, 2, true)});
+      ASSERT_TRUE(r.ok()) << id << ": " << r.status();
+      for (const auto& [step, result] : *r) EXPECT_TRUE(tracker.Check(result).ok()) << id << ": " << tracker.Check(result);
+    }
+  }
+  // Idle for over a second: the housekeeping thread moves every sequence out.
+  const absl::Time until = absl::Now() + HangGuard(absl::Seconds(30));
+  bool all_out = false;
+  while (!all_out && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(200));
+    all_out = true;
+    for (const std::string& id : ids) {
+      auto info = a.client->GetSequence(id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      all_out = all_out && info->offloaded() && info->pages() == 0;
+    }
+  }
+  EXPECT_TRUE(all_out);
+  auto info = a.client->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->free_pages(), info->total_pages());
+  // A step brings one back with its rows intact.
+  auto r = a.client->DecodeAll({tracker.Step(ids[0], 0), tracker.Step(ids[0], 1)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const auto& [step, result] : *r) EXPECT_TRUE(tracker.Check(result).ok()) << tracker.Check(result);
+  EXPECT_FALSE(a.client->GetSequence(ids[0])->offloaded());
+}
+
 }  // namespace
 }  // namespace latentd::testing
