@@ -44,6 +44,9 @@ Harness::Harness() {
   eo.model.num_heads_kv = kHeadsKv;
   eo.backend = engine::BackendKind::kCpu;
   eo.kv_pages = 256;
+  // A host tier (128 pages' worth), so a full pool and the fuzzer's offloads below take
+  // the offload and restore paths.
+  eo.host_kv_bytes = int64_t{kLayers} * kHeadsKv * 1152 * 64 * 128;
   eo.max_queue = 256;
   eo.max_s_q = 4;
   eo.cpu_threads = 1;
