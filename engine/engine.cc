@@ -1403,7 +1403,7 @@ class EngineImpl final : public Engine {
   uint64_t prefix_bytes_saved_ ABSL_GUARDED_BY(kv_mu_) = 0;
   // The host tier (null: none), its waiters and figures; batch_taken_[slot]: when the
   // batch in that slot took its steps (InfiniteFuture once finished), for SafeCutoff.
-  std::unique_ptr<kv::HostTier> tier_ ABSL_GUARDED_BY(kv_mu_);
+  const std::unique_ptr<kv::HostTier> tier_ ABSL_PT_GUARDED_BY(kv_mu_);
   absl::CondVar restore_cv_;
   absl::Time batch_taken_[2] ABSL_GUARDED_BY(kv_mu_) = {absl::InfiniteFuture(), absl::InfiniteFuture()};
   uint64_t offload_bytes_ ABSL_GUARDED_BY(kv_mu_) = 0;
