@@ -844,8 +844,12 @@ class EngineImpl final : public Engine {
         for (int64_t p = p0; p < std::min(pages, p0 + piece_pages) && st.ok(); ++p) {
           const int64_t first = p * kernels::kPageSize;
           const int64_t n = std::min<int64_t>(kernels::kPageSize, e->lengths[l] - first);
-          st = kv_.ReadStoredRows(seq, static_cast<int>(l), first, n, tier_->Block(e->blocks[l][p]));
+          st = kv_.ReadStoredRows(seq, static_cast<int>(l), first, n, tier_->Block(e->blocks[l][p]),
+                                  /*synchronize=*/false);
         }
+        // One wait per piece, with the lock still held: the rows are in the blocks before
+        // anything can free their pages.
+        if (st.ok()) st = kv_.storage()->Synchronize();
       }
     }
     absl::MutexLock lock(&kv_mu_);

@@ -79,6 +79,16 @@ class CudaKvStorage final : public KvStorage {
     return absl::OkStatus();
   }
 
+  absl::Status ReadRowsAsync(int layer, int32_t page, int row, int n, void* dst) override {
+    if (absl::Status s = CheckRowRange(config_, layer, page, row, n, dst); !s.ok()) return s;
+    if (n == 0) return absl::OkStatus();
+    LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    LATENTD_KV_CUDA(cudaMemcpyAsync(dst, RowPtr(layer, page, row), n * config_.row_bytes(),
+                                    cudaMemcpyDeviceToHost, stream_),
+                    "read rows");
+    return absl::OkStatus();
+  }
+
   absl::Status WriteStoredRows(int layer, int32_t page, int row, int n, const void* src) override {
     if (absl::Status s = CheckRowRange(config_, layer, page, row, n, src); !s.ok()) return s;
     if (n == 0) return absl::OkStatus();

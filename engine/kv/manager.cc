@@ -458,7 +458,7 @@ absl::Status KvCacheManager::ReserveAppend(Sequence* seq, int layer, int n,
 }
 
 absl::Status KvCacheManager::ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n,
-                                            void* dst) const {
+                                            void* dst, bool synchronize) const {
   if (seq == nullptr) return absl::InvalidArgumentError("sequence: null");
   if (layer < 0 || layer >= config_.num_layers) {
     return absl::InvalidArgumentError(
@@ -474,13 +474,13 @@ absl::Status KvCacheManager::ReadStoredRows(const Sequence* seq, int layer, int6
   for (int64_t pos = first_row, end = first_row + n; pos < end;) {
     const int row = static_cast<int>(pos % kPageSize);
     const int run = static_cast<int>(std::min<int64_t>(end - pos, kPageSize - row));
-    if (absl::Status s = storage_->ReadRows(layer, seq->block_table[pos / kPageSize], row, run, out); !s.ok()) {
+    if (absl::Status s = storage_->ReadRowsAsync(layer, seq->block_table[pos / kPageSize], row, run, out); !s.ok()) {
       return s;
     }
     out += run * config_.row_bytes();
     pos += run;
   }
-  return absl::OkStatus();
+  return synchronize ? storage_->Synchronize() : absl::OkStatus();
 }
 
 std::vector<PageKey> KvCacheManager::PublishedKeys(const Sequence* seq) const {

@@ -118,7 +118,10 @@ class KvCacheManager {
   // Export and import (docs/export-import.md). ReadStoredRows copies rows
   // [first_row, first_row + n) of a layer, as stored (n * row_bytes), into host memory;
   // INVALID_ARGUMENT when they are not all below the layer's length.
-  absl::Status ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n, void* dst) const;
+  // With synchronize = false the rows are complete only after storage()->Synchronize()
+  // (several reads then share one wait).
+  absl::Status ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n, void* dst,
+                              bool synchronize = true) const;
   // The published content keys of the sequence's leading pages: page i's while every
   // page before it has one and every layer has filled it.
   std::vector<PageKey> PublishedKeys(const Sequence* seq) const;

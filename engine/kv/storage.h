@@ -30,6 +30,11 @@ class KvStorage {
   // The stored bytes (n * row_bytes: fp8 rows stay quantized) into host memory `dst`;
   // complete when it returns. For tests and debugging.
   virtual absl::Status ReadRows(int layer, int32_t page, int row, int n, void* dst) = 0;
+  // The same, complete only after Synchronize (device memory: the copy is queued behind
+  // everything issued before it), so that many pages' reads cost one wait.
+  virtual absl::Status ReadRowsAsync(int layer, int32_t page, int row, int n, void* dst) {
+    return ReadRows(layer, page, row, n, dst);
+  }
   // Copies n rows already in the storage format (n * row_bytes: fp8 rows as
   // ReadRows returns them) from host memory `src` into rows [row, row + n) of `layer`
   // in logical page `page`, unchanged: an import writes another pool's rows with it.
