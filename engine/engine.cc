@@ -426,8 +426,12 @@ class EngineImpl final : public Engine {
       if (st.ok()) st = CheckSequenceLimit();
       if (st.ok()) {
         // Every page up front: an import that cannot fit fails now, before any row
-        // crosses the network, and one that began never runs out part-way.
-        auto begun = kv_.BeginImport(h.lengths);
+        // crosses the network, and one that began never runs out part-way. Leading
+        // pages the prefix cache holds are attached instead (their rows are skipped).
+        std::vector<kv::PageKey> keys;
+        keys.reserve(h.page_keys.size());
+        for (const std::string& k : h.page_keys) keys.push_back(KeyOf(k));
+        auto begun = kv_.BeginImport(h.lengths, keys);
         if (begun.ok()) {
           pending = *begun;
         } else {
@@ -920,7 +924,7 @@ class EngineImpl final : public Engine {
       {
         absl::MutexLock lock(&kv_mu_);
         if (kv_.free_pages() >= need) {
-          auto begun = kv_.BeginImport(e->lengths);
+          auto begun = kv_.BeginImport(e->lengths, e->keys);
           if (begun.ok()) {
             pending = *begun;
             break;
@@ -944,9 +948,15 @@ class EngineImpl final : public Engine {
       }
     }
     const int64_t piece_pages = std::max<int64_t>(1, static_cast<int64_t>(kAppendChunkBytes) / tier_->block_bytes());
+    // Pages the prefix cache still held were attached: only the others are copied.
+    int64_t attached_pages = 0;
+    if (pending != nullptr) {
+      absl::MutexLock lock(&kv_mu_);
+      attached_pages = kv_.PrefixTokens(pending) / kernels::kPageSize;
+    }
     for (size_t l = 0; pending != nullptr && st.ok() && l < e->lengths.size(); ++l) {
       const int64_t pages = kv::PagesForTokens(e->lengths[l]);
-      for (int64_t p0 = 0; p0 < pages && st.ok(); p0 += piece_pages) {
+      for (int64_t p0 = attached_pages; p0 < pages && st.ok(); p0 += piece_pages) {
         absl::MutexLock lock(&kv_mu_);
         for (int64_t p = p0; p < std::min(pages, p0 + piece_pages) && st.ok(); ++p) {
           const int64_t first = p * kernels::kPageSize;

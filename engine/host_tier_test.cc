@@ -215,6 +215,33 @@ TEST_F(HostTierEngineTest, OffloadedIdsStayTakenReleasableAndCounted) {
   EXPECT_TRUE(absl::IsNotFound(e->GetSequence("b").status()));
 }
 
+// Pages with published keys go to the prefix cache when their sequences move out, and a
+// restore attaches them again instead of copying: two sequences sharing a 2-page prefix
+// come back sharing it, rows identical.
+TEST_F(HostTierEngineTest, SharedPrefixPagesAreAttachedOnRestore) {
+  auto e = Make(2, 16, 16 * kPageBytes);
+  if (e == nullptr) GTEST_SKIP() << "no CUDA device";
+  const std::vector<std::string> keys = {std::string(16, 'a'), std::string(16, 'b')};
+  std::string rows(138 * 1152, '\0');
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<char>((i * 131) >> 3);
+  ASSERT_TRUE(e->CreateSequenceWithPrefix("p1", keys).ok());
+  for (int l = 0; l < 2; ++l) ASSERT_TRUE(e->AppendKv("p1", l, absl::string_view(rows).substr(0, 128 * 1152)).ok());
+  auto p2 = e->CreateSequenceWithPrefix("p2", keys);
+  ASSERT_TRUE(p2.ok());
+  EXPECT_EQ(p2->prefix_tokens, 128);
+  for (int l = 0; l < 2; ++l) ASSERT_TRUE(e->AppendKv("p2", l, absl::string_view(rows).substr(128 * 1152)).ok());
+  const std::string p1_rows = ExportBytes(e.get(), "p1"), p2_rows = ExportBytes(e.get(), "p2");
+  EXPECT_EQ(e->Metrics().pages_used, 3);
+  ASSERT_EQ(e->OffloadIdleSequences(absl::ZeroDuration()), 2);
+  EXPECT_EQ(e->Metrics().pages_cached, 2);
+  EXPECT_EQ(ExportBytes(e.get(), "p2"), p2_rows);
+  EXPECT_EQ(ExportBytes(e.get(), "p1"), p1_rows);
+  const EngineMetrics m = e->Metrics();
+  EXPECT_EQ(m.host_restores, 2u);
+  EXPECT_EQ(m.pages_used, 3);  // the prefix is shared again, not copied twice
+  EXPECT_EQ(e->GetSequence("p2")->shared_pages, 2);
+}
+
 TEST_F(HostTierEngineTest, WithoutATierNothingMoves) {
   auto e = Make(1, 16, 0);
   if (e == nullptr) GTEST_SKIP() << "no CUDA device";

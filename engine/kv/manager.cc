@@ -492,7 +492,8 @@ std::vector<PageKey> KvCacheManager::PublishedKeys(const Sequence* seq) const {
   return keys;
 }
 
-absl::StatusOr<Sequence*> KvCacheManager::BeginImport(const std::vector<int64_t>& lengths) {
+absl::StatusOr<Sequence*> KvCacheManager::BeginImport(const std::vector<int64_t>& lengths,
+                                                      const std::vector<PageKey>& keys) {
   if (lengths.size() != static_cast<size_t>(config_.num_layers)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lengths: expected ", config_.num_layers, " layers, got ", lengths.size()));
@@ -503,15 +504,47 @@ absl::StatusOr<Sequence*> KvCacheManager::BeginImport(const std::vector<int64_t>
                                                      config_.num_pages * kPageSize, " rows, got ", lengths[l]));
     }
   }
-  const int64_t need = PagesForTokens(MaxLength(lengths));
-  if (need > free_pages()) {
-    return absl::ResourceExhaustedError(absl::StrCat("lengths: the sequence needs ", need,
-                                                     " pages, the kv cache has ", free_pages(), " free"));
+  const int64_t full = MinLength(lengths) / kPageSize;
+  if (static_cast<int64_t>(keys.size()) > full) {
+    return absl::InvalidArgumentError(absl::StrCat("page_keys: ", keys.size(), " keys for ", full,
+                                                   " pages full in every layer"));
+  }
+  // The leading pages the cache holds are attached, as CreateSequence does; counted
+  // first, so a refusal changes nothing (attaching a cached page takes it off the
+  // free count).
+  int64_t attach = 0, attach_cached = 0;
+  for (const PageKey& key : keys) {
+    auto it = by_key_.find(key);
+    if (it == by_key_.end()) break;
+    const int32_t page = it->second;
+    if (refcount_[page] == 0) {
+      if (cache_prev_[page] < 0 && cache_head_ != page) break;  // retiring
+      ++attach_cached;
+    }
+    ++attach;
+  }
+  const int64_t total = PagesForTokens(MaxLength(lengths));
+  const int64_t need = total - attach;
+  if (need > free_pages() - attach_cached) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "lengths: the sequence needs ", need, " pages, the kv cache has ", free_pages() - attach_cached, " free",
+        attach > 0 ? absl::StrCat(" (", attach, " more pages found in the prefix cache)") : ""));
   }
   auto seq = std::make_unique<Sequence>();
   seq->lengths = lengths;
-  seq->block_table.reserve(static_cast<size_t>(need));
-  for (int64_t i = 0; i < need; ++i) seq->block_table.push_back(AllocPage());
+  seq->keys = keys;
+  seq->block_table.reserve(static_cast<size_t>(total));
+  for (int64_t i = 0; i < attach; ++i) {
+    const int32_t page = by_key_.find(keys[i])->second;
+    if (refcount_[page] == 0) CacheUnlink(page);
+    ++refcount_[page];
+    seq->block_table.push_back(page);
+  }
+  seq->published = static_cast<size_t>(attach);
+  seq->prefix_tokens = attach * kPageSize;
+  prefix_hits_ += static_cast<uint64_t>(attach);
+  for (int64_t i = attach; i < total; ++i) seq->block_table.push_back(AllocPage());
+  high_water_ = std::max(high_water_, config_.num_pages - free_pages());
   Sequence* raw = seq.get();
   pending_.emplace(raw, std::move(seq));
   return raw;
@@ -535,7 +568,12 @@ absl::Status KvCacheManager::WriteImportRows(Sequence* pending, int layer, int64
   for (int64_t pos = first_row, end = first_row + n; pos < end;) {
     const int row = static_cast<int>(pos % kPageSize);
     const int run = static_cast<int>(std::min<int64_t>(end - pos, kPageSize - row));
-    // The pages are the pending sequence's own (reserved fresh, unkeyed): no copy-on-write.
+    if (pos < pending->prefix_tokens) {  // an attached page: its key says it holds these rows
+      src += run * config_.row_bytes();
+      pos += run;
+      continue;
+    }
+    // The other pages are the pending sequence's own (reserved fresh, unkeyed): no copy-on-write.
     if (absl::Status s = storage_->WriteStoredRows(layer, pending->block_table[pos / kPageSize], row, run, src);
         !s.ok()) {
       return s;
@@ -554,6 +592,11 @@ absl::StatusOr<Sequence*> KvCacheManager::CommitImport(Sequence* pending, absl::
     return absl::InvalidArgumentError(absl::StrCat("page_keys: ", keys.size(), " keys for a sequence of ",
                                                    pending->block_table.size(), " pages"));
   }
+  if (pending->published > 0 &&
+      (keys.size() < pending->published || !std::equal(keys.begin(), keys.begin() + pending->published,
+                                                       pending->keys.begin()))) {
+    return absl::InvalidArgumentError("page_keys: expected the keys BeginImport attached pages by");
+  }
   absl::StatusOr<std::string> new_id = NewId(id, "sequence_id");
   if (!new_id.ok()) return new_id.status();
   std::unique_ptr<Sequence> seq = std::move(it->second);
@@ -561,9 +604,7 @@ absl::StatusOr<Sequence*> KvCacheManager::CommitImport(Sequence* pending, absl::
   seq->id = *std::move(new_id);
   seq->last_used = absl::Now();
   seq->serial = next_serial_++;
-  seq->keys = keys;
-  seq->published = 0;
-  seq->prefix_tokens = 0;
+  seq->keys = keys;  // published (the attached ones) and prefix_tokens stay BeginImport's
   PublishFull(seq.get());
   Sequence* raw = seq.get();
   sequences_.emplace(raw->id, std::move(seq));

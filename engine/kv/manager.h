@@ -133,7 +133,12 @@ class KvCacheManager {
   // INVALID_ARGUMENT, and then the import stays pending) and publishes `keys` for its
   // leading full pages; AbortImport gives its pages back. A pending sequence is passed
   // to nothing else.
-  absl::StatusOr<Sequence*> BeginImport(const std::vector<int64_t>& lengths);
+  // With the sequence's page keys (at most one per page full in every layer: INVALID_
+  // ARGUMENT naming "page_keys" otherwise), every leading page the prefix cache holds is
+  // attached by reference instead of reserved (PrefixTokens says how many rows), and
+  // WriteImportRows skips those rows; CommitImport must then get the same keys.
+  absl::StatusOr<Sequence*> BeginImport(const std::vector<int64_t>& lengths,
+                                        const std::vector<PageKey>& keys = {});
   absl::Status WriteImportRows(Sequence* pending, int layer, int64_t first_row, int64_t n, const void* rows);
   absl::StatusOr<Sequence*> CommitImport(Sequence* pending, absl::string_view id, const std::vector<PageKey>& keys);
   void AbortImport(Sequence* pending);

@@ -134,6 +134,56 @@ TEST_F(ManagerTest, ImportReservesUpFrontAndAppearsOnlyAtCommit) {
   ExpectConsistent();
 }
 
+// An import with page keys attaches the leading pages the prefix cache holds (live or
+// cached) by reference, skips their rows, and refuses mismatched keys at the commit.
+TEST_F(ManagerTest, ImportAttachesCachedPrefixPages) {
+  const std::vector<PageKey> keys = {{1, 1}, {2, 2}, {3, 3}};
+  auto owner = mgr_->CreateSequence("owner", {keys[0], keys[1]});
+  ASSERT_TRUE(owner.ok());
+  AppendAll(*owner, 2 * kPageSize, 100);  // publishes keys 0 and 1
+  std::vector<char> stored(3 * kPageSize * config_.row_bytes());
+  ASSERT_TRUE(mgr_->ReadStoredRows(*owner, 0, 0, 2 * kPageSize, stored.data()).ok());
+  ASSERT_TRUE(mgr_->Release("owner").ok());  // its two pages stay cached
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 2);
+  const int64_t free_before = mgr_->free_pages();
+
+  EXPECT_TRUE(absl::IsInvalidArgument(mgr_->BeginImport(std::vector<int64_t>(kLayers, 100), keys).status()))
+      << "3 keys for 1 full page";
+  auto pending = mgr_->BeginImport(std::vector<int64_t>(kLayers, 3 * kPageSize + 5), keys);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(mgr_->PrefixTokens(*pending), 2 * kPageSize);
+  EXPECT_EQ(mgr_->free_pages(), free_before - 4);  // 2 cached pages attached, 2 fresh
+  EXPECT_EQ(mgr_->GetStats().cached_pages, 0);
+  // Rows for the attached pages are skipped: writing others there changes nothing.
+  auto junk = Rows(config_, 3 * kPageSize + 5, 900);
+  for (int l = 0; l < kLayers; ++l)
+    ASSERT_TRUE(mgr_->WriteImportRows(*pending, l, 0, 3 * kPageSize + 5, junk.data()).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(mgr_->CommitImport(*pending, "copy", {keys[1]}).status()));
+  auto seq = mgr_->CommitImport(*pending, "copy", keys);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  for (int l = 0; l < kLayers; ++l) {
+    ExpectRows(*seq, l, 0, 2 * kPageSize, 100);
+    ExpectRows(*seq, l, 2 * kPageSize, kPageSize + 5, 900 + 2 * kPageSize);
+  }
+  EXPECT_EQ(mgr_->PublishedKeys(*seq).size(), 3u);
+  ExpectConsistent();
+  // A second import shares all three pages with the first (live now).
+  auto second = mgr_->BeginImport(std::vector<int64_t>(kLayers, 3 * kPageSize), keys);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(mgr_->PrefixTokens(*second), 3 * kPageSize);
+  mgr_->AbortImport(*second);
+  EXPECT_EQ(mgr_->RefCount(mgr_->BlockTable(*seq)[0]), 1);
+  ExpectConsistent();
+  // Aborting an attaching import puts cached pages back in the cache.
+  ASSERT_TRUE(mgr_->Release("copy").ok());
+  const int64_t cached = mgr_->GetStats().cached_pages;
+  auto third = mgr_->BeginImport(std::vector<int64_t>(kLayers, 2 * kPageSize), {keys[0], keys[1]});
+  ASSERT_TRUE(third.ok());
+  mgr_->AbortImport(*third);
+  EXPECT_EQ(mgr_->GetStats().cached_pages, cached);
+  ExpectConsistent();
+}
+
 TEST_F(ManagerTest, CreateWithClientId) {
   Sequence* s = Create("beam-1:a.b_c");
   ASSERT_NE(s, nullptr);
