@@ -853,7 +853,7 @@ class EngineImpl final : public Engine {
         }
         // One wait per piece, with the lock still held: the rows are in the blocks before
         // anything can free their pages.
-        if (st.ok()) st = kv_.storage()->Synchronize();
+        if (st.ok()) st = kv_.storage()->SynchronizeReads();
       }
     }
     absl::MutexLock lock(&kv_mu_);

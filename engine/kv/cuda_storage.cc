@@ -41,6 +41,11 @@ class CudaKvStorage final : public KvStorage {
   }
   ~CudaKvStorage() override {
     cudaSetDevice(device_);
+    if (read_stream_ != nullptr) {
+      cudaStreamSynchronize(read_stream_);
+      cudaStreamDestroy(read_stream_);
+    }
+    if (issued_ != nullptr) cudaEventDestroy(issued_);
     cudaFree(data_);
   }
 
@@ -79,12 +84,21 @@ class CudaKvStorage final : public KvStorage {
     return absl::OkStatus();
   }
 
+  // On a stream of its own, after everything issued so far on the pool's stream (an
+  // event orders it), so bulk reads (exports, offloads) run beside later kernels instead
+  // of holding them up.
   absl::Status ReadRowsAsync(int layer, int32_t page, int row, int n, void* dst) override {
     if (absl::Status s = CheckRowRange(config_, layer, page, row, n, dst); !s.ok()) return s;
     if (n == 0) return absl::OkStatus();
     LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    if (read_stream_ == nullptr) {
+      LATENTD_KV_CUDA(cudaStreamCreateWithFlags(&read_stream_, cudaStreamNonBlocking), "read stream");
+      LATENTD_KV_CUDA(cudaEventCreateWithFlags(&issued_, cudaEventDisableTiming), "read event");
+    }
+    LATENTD_KV_CUDA(cudaEventRecord(issued_, stream_), "read rows");
+    LATENTD_KV_CUDA(cudaStreamWaitEvent(read_stream_, issued_, 0), "read rows");
     LATENTD_KV_CUDA(cudaMemcpyAsync(dst, RowPtr(layer, page, row), n * config_.row_bytes(),
-                                    cudaMemcpyDeviceToHost, stream_),
+                                    cudaMemcpyDeviceToHost, read_stream_),
                     "read rows");
     return absl::OkStatus();
   }
@@ -116,8 +130,16 @@ class CudaKvStorage final : public KvStorage {
     return absl::OkStatus();
   }
 
+  absl::Status SynchronizeReads() override {
+    if (read_stream_ == nullptr) return absl::OkStatus();
+    LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    LATENTD_KV_CUDA(cudaStreamSynchronize(read_stream_), "synchronize reads");
+    return absl::OkStatus();
+  }
+
   absl::Status Synchronize() override {
     LATENTD_KV_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    if (read_stream_ != nullptr) LATENTD_KV_CUDA(cudaStreamSynchronize(read_stream_), "synchronize reads");
     LATENTD_KV_CUDA(cudaStreamSynchronize(stream_), "synchronize");
     return absl::OkStatus();
   }
@@ -129,6 +151,10 @@ class CudaKvStorage final : public KvStorage {
   const int device_;
   const cudaStream_t stream_;
   char* const data_;
+  // ReadRowsAsync's stream and the event that orders it after stream_ (made on first
+  // use; the manager's callers serialise, as for every other call here).
+  cudaStream_t read_stream_ = nullptr;
+  cudaEvent_t issued_ = nullptr;
   absl::Mutex scratch_mu_;
   std::vector<uint8_t> scratch_ ABSL_GUARDED_BY(scratch_mu_);
 };

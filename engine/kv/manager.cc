@@ -480,7 +480,7 @@ absl::Status KvCacheManager::ReadStoredRows(const Sequence* seq, int layer, int6
     out += run * config_.row_bytes();
     pos += run;
   }
-  return synchronize ? storage_->Synchronize() : absl::OkStatus();
+  return synchronize ? storage_->SynchronizeReads() : absl::OkStatus();
 }
 
 std::vector<PageKey> KvCacheManager::PublishedKeys(const Sequence* seq) const {

@@ -118,7 +118,7 @@ class KvCacheManager {
   // Export and import (docs/export-import.md). ReadStoredRows copies rows
   // [first_row, first_row + n) of a layer, as stored (n * row_bytes), into host memory;
   // INVALID_ARGUMENT when they are not all below the layer's length.
-  // With synchronize = false the rows are complete only after storage()->Synchronize()
+  // With synchronize = false the rows are complete only after storage()->SynchronizeReads()
   // (several reads then share one wait).
   absl::Status ReadStoredRows(const Sequence* seq, int layer, int64_t first_row, int64_t n, void* dst,
                               bool synchronize = true) const;

@@ -35,6 +35,8 @@ class KvStorage {
   virtual absl::Status ReadRowsAsync(int layer, int32_t page, int row, int n, void* dst) {
     return ReadRows(layer, page, row, n, dst);
   }
+  // Waits for the ReadRowsAsync copies issued so far only (not for other work).
+  virtual absl::Status SynchronizeReads() { return Synchronize(); }
   // Copies n rows already in the storage format (n * row_bytes: fp8 rows as
   // ReadRows returns them) from host memory `src` into rows [row, row + n) of `layer`
   // in logical page `page`, unchanged: an import writes another pool's rows with it.
