@@ -25,12 +25,19 @@ constexpr int64_t kMessageSlack = 64 << 10;
 bool SameModel(const v1::ServerInfo& a, const v1::ServerInfo& b) {
   return a.num_layers() == b.num_layers() && a.num_heads_q() == b.num_heads_q() &&
          a.num_heads_kv() == b.num_heads_kv() && a.head_dim_qk() == b.head_dim_qk() &&
-         a.head_dim_v() == b.head_dim_v() && a.dtype() == b.dtype() && a.softmax_scale() == b.softmax_scale();
+         a.head_dim_v() == b.head_dim_v() && a.dtype() == b.dtype() && a.softmax_scale() == b.softmax_scale() &&
+         // The layer API: the same weights' slice everywhere (data-parallel replicas of one
+         // tensor-parallel rank), so a sequence's outputs do not depend on its daemon.
+         a.layer_api() == b.layer_api() && a.hidden_size() == b.hidden_size() &&
+         a.tensor_parallel() == b.tensor_parallel() && a.tensor_rank() == b.tensor_rank();
 }
 
 std::string ModelString(const v1::ServerInfo& i) {
-  return absl::StrCat("layers ", i.num_layers(), " h_q ", i.num_heads_q(), " h_kv ", i.num_heads_kv(), " dtype ",
-                      v1::DType_Name(i.dtype()), " scale ", i.softmax_scale());
+  std::string s = absl::StrCat("layers ", i.num_layers(), " h_q ", i.num_heads_q(), " h_kv ", i.num_heads_kv(),
+                               " dtype ", v1::DType_Name(i.dtype()), " scale ", i.softmax_scale());
+  if (i.layer_api())
+    absl::StrAppend(&s, " layer API hidden ", i.hidden_size(), " rank ", i.tensor_rank(), "/", i.tensor_parallel());
+  return s;
 }
 
 v1::StepResult Failed(uint64_t request_id, int code, std::string message) {
@@ -518,6 +525,18 @@ absl::StatusOr<v1::AppendKvResponse> ShardedClient::AppendKv(absl::string_view s
   }
   return OnSequence(sequence_id, options_.upload_timeout, [&](Client* c, const CallOptions& call) {
     return c->AppendKv(sequence_id, layer, kv, call);
+  });
+}
+
+absl::StatusOr<v1::AppendKvResponse> ShardedClient::AppendHidden(absl::string_view sequence_id, int layer,
+                                                                 absl::string_view hidden) {
+  Working work(&work_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Know(sequence_id);
+  }
+  return OnSequence(sequence_id, options_.upload_timeout, [&](Client* c, const CallOptions& call) {
+    return c->AppendHidden(sequence_id, layer, hidden, call);
   });
 }
 

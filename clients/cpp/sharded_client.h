@@ -138,6 +138,11 @@ class ShardedClient {
   absl::StatusOr<v1::AppendKvResponse> AppendKv(absl::string_view sequence_id, int layer, absl::string_view kv);
   absl::StatusOr<v1::AppendKvResponse> AppendKvLayers(absl::string_view sequence_id,
                                                       const std::vector<absl::string_view>& kv_per_layer);
+  // The layer API (every daemon's ServerInfo.layer_api, checked at Connect with the
+  // rest of the model): hidden states in, the rows computed by the sequence's daemon.
+  // Layer steps (DecodeStep.hidden) go through DecodeBatch like any other.
+  absl::StatusOr<v1::AppendKvResponse> AppendHidden(absl::string_view sequence_id, int layer,
+                                                    absl::string_view hidden);
   // The fork is created beside its parent and routed there.
   absl::StatusOr<std::string> ForkSequence(absl::string_view sequence_id, absl::string_view new_sequence_id = "");
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view sequence_id);

@@ -83,7 +83,8 @@ class FakeService final : public v1::DecodeService::Service {
     int64_t rows = 0;
     while (reader->Read(&req)) {
       if (id.empty()) id = req.sequence_id();
-      rows += static_cast<int64_t>(req.kv().size()) / (576 * 2);
+      rows += static_cast<int64_t>(req.kv().size()) / (576 * 2) +
+              (info_.hidden_size() > 0 ? static_cast<int64_t>(req.hidden().size()) / (info_.hidden_size() * 2) : 0);
     }
     std::lock_guard<std::mutex> lock(mu_);
     routes_.push_back(RouteOf(ctx));
@@ -580,6 +581,29 @@ TEST_F(ShardedClientTest, DaemonDownAtStartIsFoundLaterAndMustServeTheSameModel)
   FakeDaemon other("other", 0, FakeInfo(/*layers=*/7));
   o.targets = {fakes_[0]->target(), other.target()};
   EXPECT_EQ(ShardedClient::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // So are layer-API daemons of different tensor-parallel ranks (or one without it).
+  v1::ServerInfo rank0 = FakeInfo(), rank1 = FakeInfo();
+  for (auto* i : {&rank0, &rank1}) {
+    i->set_layer_api(true);
+    i->set_hidden_size(64);
+    i->set_tensor_parallel(2);
+  }
+  rank1.set_tensor_rank(1);
+  FakeDaemon r0("r0", 0, rank0), r0b("r0b", 0, rank0), r1("r1", 0, rank1);
+  o.targets = {r0.target(), r1.target()};
+  auto refused = ShardedClient::Connect(o);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("rank 1/2"), std::string::npos) << refused.status();
+  o.targets = {fakes_[0]->target(), r0.target()};
+  EXPECT_EQ(ShardedClient::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // Two replicas of rank 0: hidden states go to the sequence's daemon.
+  o.targets = {r0.target(), r0b.target()};
+  auto layer = ShardedClient::Connect(o);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  ASSERT_TRUE((*layer)->CreateSequence("h").ok());
+  auto appended = (*layer)->AppendHidden("h", 1, std::string(3 * 64 * 2, '\0'));
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_EQ(appended->tokens_appended(), 3);
   // No daemon at all.
   o.targets = {absl::StrCat("127.0.0.1:", port + 0)};
   fakes_[2]->Stop();
