@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <iterator>
 #include <thread>
 
@@ -392,11 +393,19 @@ class EngineImpl final : public Engine {
     h.dtype = o_.model.dtype;
     h.kv_dtype = kernels::KvDTypeName(c.kv_dtype, o_.model.dtype);
     h.row_bytes = c.row_bytes();
-    if (absl::Status st = EnsureResident(id); !st.ok()) return st;
     uint64_t serial = 0;
     {
       absl::MutexLock lock(&kv_mu_);
       const kv::Sequence* seq = kv_.Find(id);
+      // An offloaded sequence is exported from the host tier as it lies (a drain moves
+      // it without needing pages here).
+      const kv::HostTier::Entry* off = seq == nullptr && tier_ != nullptr ? tier_->Find(id) : nullptr;
+      if (off != nullptr) {
+        h.sequence_id = off->id;
+        h.lengths = off->lengths;
+        for (const kv::PageKey& k : off->keys) h.page_keys.push_back(KeyBytes(k));
+        return std::unique_ptr<SequenceExporter>(new Exporter(this, std::move(h), off->serial));
+      }
       if (seq == nullptr) return NotFound(id);
       h.sequence_id = kv_.Id(seq);
       h.lengths = kv_.Lengths(seq);
@@ -598,17 +607,29 @@ class EngineImpl final : public Engine {
       {
         absl::MutexLock lock(&e_->kv_mu_);
         const kv::Sequence* seq = e_->kv_.Find(header_.sequence_id);
-        if (seq == nullptr || e_->kv_.Serial(seq) != serial_) {
-          return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", QuoteId(header_.sequence_id),
-                                                  " was released during the export"));
+        const kv::HostTier::Entry* off =
+            seq == nullptr && e_->tier_ != nullptr ? e_->tier_->Find(header_.sequence_id) : nullptr;
+        if (off != nullptr && off->serial == serial_) {
+          // Offloaded (before or during the export): the same rows, from the host tier.
+          if (off->lengths[layer_] < row_ + n) return Shorter(off->lengths[layer_]);
+          char* out = chunk->bytes.data();
+          for (int64_t r = row_; r < row_ + n;) {
+            const int64_t in_page = r % kernels::kPageSize;
+            const int64_t run = std::min<int64_t>(row_ + n - r, kernels::kPageSize - in_page);
+            std::memcpy(out, e_->tier_->Block(off->blocks[layer_][r / kernels::kPageSize]) + in_page * row_bytes,
+                        static_cast<size_t>(run * row_bytes));
+            out += run * row_bytes;
+            r += run;
+          }
+        } else {
+          if (seq == nullptr || e_->kv_.Serial(seq) != serial_) {
+            return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", QuoteId(header_.sequence_id),
+                                                    " was released during the export"));
+          }
+          if (e_->kv_.Length(seq, layer_) < row_ + n) return Shorter(e_->kv_.Length(seq, layer_));
+          if (absl::Status st = e_->kv_.ReadStoredRows(seq, layer_, row_, n, chunk->bytes.data()); !st.ok())
+            return st;
         }
-        if (e_->kv_.Length(seq, layer_) < row_ + n) {
-          return absl::AbortedError(absl::StrCat("sequence_id: layer ", layer_, " of sequence ",
-                                                 QuoteId(header_.sequence_id), " became shorter (",
-                                                 e_->kv_.Length(seq, layer_), " rows) than the export's ",
-                                                 header_.lengths[layer_], " during the export"));
-        }
-        if (absl::Status st = e_->kv_.ReadStoredRows(seq, layer_, row_, n, chunk->bytes.data()); !st.ok()) return st;
       }
       crc_ = Crc32(crc_, chunk->bytes);
       total_rows_ += n;
@@ -618,6 +639,12 @@ class EngineImpl final : public Engine {
     }
 
    private:
+    absl::Status Shorter(int64_t length) const {
+      return absl::AbortedError(absl::StrCat("sequence_id: layer ", layer_, " of sequence ", QuoteId(header_.sequence_id),
+                                             " became shorter (", length, " rows) than the export's ",
+                                             header_.lengths[layer_], " during the export"));
+    }
+
     EngineImpl* const e_;
     const SequenceExportHeader header_;
     const uint64_t serial_;
@@ -826,7 +853,7 @@ class EngineImpl final : public Engine {
       e->id = kv_.Id(seq);
       e->keys = kv_.PublishedKeys(seq);
       e->last_used = kv_.LastUsed(seq);
-      serial = kv_.Serial(seq);
+      e->serial = serial = kv_.Serial(seq);
     }
     // Still the same sequence, unused and no shorter than the copy (the lock is held).
     auto unchanged = [&](const kv::Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(kv_mu_) {
@@ -970,7 +997,7 @@ class EngineImpl final : public Engine {
     if (st.ok() && kv_.storage() != nullptr) st = kv_.storage()->Synchronize();
     if (st.ok()) {
       const std::string sid = e->id;
-      auto seq = kv_.CommitImport(pending, sid, e->keys);
+      auto seq = kv_.CommitImport(pending, sid, e->keys, e->serial);
       if (seq.ok()) {
         pending = nullptr;
         kv_.Touch(*seq, absl::Now());

@@ -103,17 +103,64 @@ TEST_F(HostTierEngineTest, IdleSequencesMoveOutAndComeBackExactly) {
   ASSERT_TRUE(info.ok());
   EXPECT_FALSE(info->offloaded);
   EXPECT_EQ(info->lengths, (std::vector<int64_t>{135, 135}));
-  // An export brings `b` back: the very bytes it had.
+  // An export reads `b` from the tier as it lies (a draining daemon needs no pages to
+  // move it): the very bytes it had, and it stays offloaded.
   EXPECT_EQ(ExportBytes(e.get(), b), b_rows);
+  EXPECT_TRUE(e->GetSequence(b)->offloaded);
+  EXPECT_EQ(e->Metrics().host_restores, 1u);
+  StepAndCheck(h, b, 2);
   m = e->Metrics();
   EXPECT_EQ(m.host_restores, 2u);
   EXPECT_EQ(m.host_tier_sequences, 0);
   EXPECT_EQ(m.host_tier_used_bytes, 0);
   EXPECT_EQ(m.host_restore_failures, 0u);
-  StepAndCheck(h, b, 2);
   // An offloaded id is taken for forks too.
   ASSERT_EQ(e->OffloadIdleSequences(absl::ZeroDuration()), 2);
   EXPECT_TRUE(absl::IsAlreadyExists(e->ForkSequence(b, a).status()));
+}
+
+// An export that began with the sequence in the pool goes on from the tier once it moved
+// out, and one that began in the tier goes on from the pool once it came back: the same
+// bytes either way (rows appended after the export began are not part of it).
+TEST_F(HostTierEngineTest, AnExportFollowsItsSequenceBetweenTiers) {
+  auto e = Make(2, 64, 64 * kPageBytes);
+  if (e == nullptr) GTEST_SKIP() << "no CUDA device";
+  Harness h(e.get(), 13);
+  const std::string a = h.NewSequence(200, "a");
+  const std::string want = ExportBytes(e.get(), a);
+  auto read = [&](bool offload_first) {
+    auto ex = e->ExportSequence(a);
+    EXPECT_TRUE(ex.ok()) << ex.status();
+    if (!ex.ok()) return std::string();
+    std::string got;
+    for (int chunk = 0;; ++chunk) {
+      if (chunk == 2) {
+        if (offload_first) {
+          StepAndCheck(h, a, 2);  // brings it back, one row longer per layer
+        } else {
+          EXPECT_EQ(e->OffloadIdleSequences(absl::ZeroDuration()), 1);
+        }
+      }
+      SequenceExportChunk c;
+      auto more = (*ex)->Next(50 * 1152, &c);
+      EXPECT_TRUE(more.ok()) << more.status();
+      if (!more.ok() || !*more) break;
+      got += c.bytes;
+    }
+    return got;
+  };
+  EXPECT_EQ(read(/*offload_first=*/false), want);
+  EXPECT_TRUE(e->GetSequence(a)->offloaded);
+  EXPECT_EQ(ExportBytes(e.get(), a), want);
+  EXPECT_EQ(read(/*offload_first=*/true), want);  // begins in the tier, a step brings it back
+  EXPECT_FALSE(e->GetSequence(a)->offloaded);
+  // Released while offloaded: the export ends NOT_FOUND.
+  ASSERT_EQ(e->OffloadIdleSequences(absl::ZeroDuration()), 1);
+  auto ex = e->ExportSequence(a);
+  ASSERT_TRUE(ex.ok());
+  ASSERT_TRUE(e->ReleaseSequence(a).ok());
+  SequenceExportChunk c;
+  EXPECT_TRUE(absl::IsNotFound((*ex)->Next(1 << 20, &c).status()));
 }
 
 TEST_F(HostTierEngineTest, AppendAndForkOfAnOffloadedSequenceBringItBack) {
@@ -234,11 +281,18 @@ TEST_F(HostTierEngineTest, SharedPrefixPagesAreAttachedOnRestore) {
   EXPECT_EQ(e->Metrics().pages_used, 3);
   ASSERT_EQ(e->OffloadIdleSequences(absl::ZeroDuration()), 2);
   EXPECT_EQ(e->Metrics().pages_cached, 2);
-  EXPECT_EQ(ExportBytes(e.get(), "p2"), p2_rows);
-  EXPECT_EQ(ExportBytes(e.get(), "p1"), p1_rows);
+  EXPECT_EQ(ExportBytes(e.get(), "p2"), p2_rows);  // read from the tier
+  // An append brings each back; the new row lands after the rows it had.
+  const std::string row(1152, '\x11');
+  ASSERT_TRUE(e->AppendKv("p2", 1, row).ok());
+  ASSERT_TRUE(e->AppendKv("p1", 1, row).ok());
+  EXPECT_EQ(ExportBytes(e.get(), "p2"), p2_rows + row);
+  EXPECT_EQ(ExportBytes(e.get(), "p1"), p1_rows + row);
   const EngineMetrics m = e->Metrics();
   EXPECT_EQ(m.host_restores, 2u);
-  EXPECT_EQ(m.pages_used, 3);  // the prefix is shared again, not copied twice
+  // The prefix is shared again, not copied twice: 2 shared pages, and one page each
+  // for p2's tail and p1's new row.
+  EXPECT_EQ(m.pages_used, 4);
   EXPECT_EQ(e->GetSequence("p2")->shared_pages, 2);
 }
 

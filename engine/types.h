@@ -71,7 +71,7 @@ struct EngineOptions {
   int64_t max_sequences = 0;
   // The host memory tier (docs/operations.md "Host tier"): bytes of host memory (pinned
   // on CUDA) that idle sequences' rows move to under pool pressure, or after
-  // offload_idle unused; a step, append, fork or export of an offloaded sequence brings
+  // offload_idle unused; a step, append or fork of an offloaded sequence brings
   // it back first. 0 = no tier (a full pool refuses with RESOURCE_EXHAUSTED).
   int64_t host_kv_bytes = 0;
   // Tests only: called between two chunks of a large AppendKv, with the KV lock

@@ -28,6 +28,7 @@ class HostTier {
     std::vector<PageKey> keys;
     std::vector<std::vector<int32_t>> blocks;  // [layer][page] block ids
     absl::Time last_used;                      // the sequence's, when it was offloaded
+    uint64_t serial = 0;                       // KvCacheManager::Serial, kept across the move
     bool busy = false;                         // being restored (or read) outside the lock
   };
 

@@ -585,7 +585,7 @@ absl::Status KvCacheManager::WriteImportRows(Sequence* pending, int layer, int64
 }
 
 absl::StatusOr<Sequence*> KvCacheManager::CommitImport(Sequence* pending, absl::string_view id,
-                                                       const std::vector<PageKey>& keys) {
+                                                       const std::vector<PageKey>& keys, uint64_t serial) {
   auto it = pending_.find(pending);
   if (it == pending_.end()) return absl::InvalidArgumentError("sequence: not a pending import");
   if (keys.size() > pending->block_table.size()) {
@@ -603,7 +603,7 @@ absl::StatusOr<Sequence*> KvCacheManager::CommitImport(Sequence* pending, absl::
   pending_.erase(it);
   seq->id = *std::move(new_id);
   seq->last_used = absl::Now();
-  seq->serial = next_serial_++;
+  seq->serial = serial != 0 ? serial : next_serial_++;
   seq->keys = keys;  // published (the attached ones) and prefix_tokens stay BeginImport's
   PublishFull(seq.get());
   Sequence* raw = seq.get();

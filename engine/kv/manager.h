@@ -140,7 +140,10 @@ class KvCacheManager {
   absl::StatusOr<Sequence*> BeginImport(const std::vector<int64_t>& lengths,
                                         const std::vector<PageKey>& keys = {});
   absl::Status WriteImportRows(Sequence* pending, int layer, int64_t first_row, int64_t n, const void* rows);
-  absl::StatusOr<Sequence*> CommitImport(Sequence* pending, absl::string_view id, const std::vector<PageKey>& keys);
+  // serial != 0 gives the sequence that Serial instead of a new one: a sequence brought
+  // back from the host tier stays the same sequence for exports begun before it moved.
+  absl::StatusOr<Sequence*> CommitImport(Sequence* pending, absl::string_view id, const std::vector<PageKey>& keys,
+                                         uint64_t serial = 0);
   void AbortImport(Sequence* pending);
   int64_t pending_imports() const { return static_cast<int64_t>(pending_.size()); }
 

@@ -285,6 +285,19 @@ TEST(HostTierTest, APoolServesMoreSequencesThanItHoldsAndIdleOnesMoveOut) {
   ASSERT_TRUE(r.ok()) << r.status();
   for (const auto& [step, result] : *r) EXPECT_TRUE(tracker.Check(result).ok()) << tracker.Check(result);
   EXPECT_FALSE(a.client->GetSequence(ids[0])->offloaded());
+
+  // An offloaded sequence moves to another daemon straight from the tier (a drain needs
+  // no pages for it) and decodes correctly there.
+  ASSERT_TRUE(a.client->GetSequence(ids[1])->offloaded());
+  Node b({"--num_layers=2", "--kv_pages=64"});
+  ASSERT_NE(b.client, nullptr);
+  auto moved = a.client->MoveSequence(ids[1], b.client.get());
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_TRUE(moved->released.ok()) << moved->released;
+  EXPECT_EQ(a.client->GetSequence(ids[1]).status().code(), StatusCode::kNotFound);
+  auto there = b.client->DecodeAll({tracker.Step(ids[1], 0), tracker.Step(ids[1], 1, 3, true)});
+  ASSERT_TRUE(there.ok()) << there.status();
+  for (const auto& [step, result] : *there) EXPECT_TRUE(tracker.Check(result).ok()) << tracker.Check(result);
 }
 
 }  // namespace
