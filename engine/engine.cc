@@ -860,7 +860,6 @@ class EngineImpl final : public Engine {
       return seq != nullptr && kv_.Serial(seq) == serial && kv_.LastUsed(seq) == e->last_used &&
              kv_.Lengths(seq) == e->lengths;
     };
-    const int64_t row_bytes = backend_->kv_config().row_bytes();
     const int64_t piece_pages = std::max<int64_t>(1, static_cast<int64_t>(kAppendChunkBytes) / tier_->block_bytes());
     absl::Status st;
     for (size_t l = 0; l < e->lengths.size() && st.ok(); ++l) {
@@ -885,10 +884,8 @@ class EngineImpl final : public Engine {
     }
     absl::MutexLock lock(&kv_mu_);
     if (st.ok() && unchanged(kv_.Find(id))) {
-      const int64_t bytes = tier_->BlocksFor(e->lengths) * kernels::kPageSize * row_bytes;
       (void)kv_.Release(id);
       tier_->Commit(std::move(e));
-      offload_bytes_ += static_cast<uint64_t>(bytes);
       return OffloadResult::kMoved;
     }
     tier_->Cancel(std::move(e));
@@ -1040,9 +1037,6 @@ class EngineImpl final : public Engine {
           missing.push_back(e.step->sequence_id);
         }
       }
-    }
-    {
-      absl::MutexLock lock(&kv_mu_);
       work = !missing.empty() || kv_.free_pages() < BatchNewPages(batch);
     }
     if (!work) return;
@@ -1447,7 +1441,6 @@ class EngineImpl final : public Engine {
   const std::unique_ptr<kv::HostTier> tier_ ABSL_PT_GUARDED_BY(kv_mu_);
   absl::CondVar restore_cv_;
   absl::Time batch_taken_[2] ABSL_GUARDED_BY(kv_mu_) = {absl::InfiniteFuture(), absl::InfiniteFuture()};
-  uint64_t offload_bytes_ ABSL_GUARDED_BY(kv_mu_) = 0;
   uint64_t restore_failures_ ABSL_GUARDED_BY(kv_mu_) = 0;
   double restore_seconds_ ABSL_GUARDED_BY(kv_mu_) = 0;
 
