@@ -300,5 +300,20 @@ TEST(HostTierTest, APoolServesMoreSequencesThanItHoldsAndIdleOnesMoveOut) {
   for (const auto& [step, result] : *there) EXPECT_TRUE(tracker.Check(result).ok()) << tracker.Check(result);
 }
 
+// Host tier flags out of range stop the start (exit 2) naming the flag.
+TEST(HostTierTest, BadFlagsRefuseToStart) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--host_kv_bytes=-1"}, "--host_kv_bytes: expected >= 0"},
+      {{"--offload_idle_s=-1"}, "--offload_idle_s: expected >= 0"},
+      {{"--offload_idle_s=5"}, "--offload_idle_s: needs --host_kv_bytes"},
+  };
+  for (const auto& [flags, expect] : cases) {
+    Daemon daemon(flags);
+    EXPECT_FALSE(daemon.Start(absl::Seconds(30))) << expect;
+    EXPECT_EQ(daemon.Wait(absl::Seconds(30)), 2) << expect << "\n" << daemon.Log();
+    EXPECT_TRUE(absl::StrContains(daemon.Log(), expect)) << expect << "\n" << daemon.Log();
+  }
+}
+
 }  // namespace
 }  // namespace latentd::testing
